@@ -1,0 +1,441 @@
+"""Typed configuration: `configs.yaml` mapped onto nested dataclasses, with dotted overrides.
+
+    cfg = load_config("configs.yaml", ["trainer.total_steps=20", "actor.optim.lr=1e-6"])
+
+The string under each field is its documentation; `python ppo.py --help` prints them all.
+Values are type-checked, and an unknown key fails with the nearest valid key named.
+"""
+import ast
+import dataclasses
+import difflib
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+import yaml
+
+
+@dataclass
+class ModelConfig:
+    path: str = "models/SmolLM2-135M-Instruct"
+    """policy checkpoint: a local folder or a hub id (the demo model is made by prepare_model.py)"""
+    tokenizer_path: Optional[str] = None
+    """tokenizer folder; null means `path`"""
+    dtype: Literal["bf16", "fp32"] = "bf16"
+    """compute dtype of training forwards (bf16 = autocast over fp32 master weights)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass to save memory"""
+    lora_rank: int = 32
+    """LoRA rank; 0 trains all weights"""
+    lora_alpha: int = 64
+    """LoRA scaling numerator (scale = alpha / rank)"""
+    lora_dropout: float = 0.0
+    """dropout on the LoRA branch"""
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    """module names that get LoRA adapters"""
+    use_remove_padding: bool = False
+    """pack sequences without padding in training forwards"""
+
+
+@dataclass
+class DataConfig:
+    train_files: str = "data/arithmetic/train.parquet"
+    """training parquet (columns: prompt, and optionally ground_truth, data_source; or verl's layout)"""
+    val_files: Optional[str] = "data/arithmetic/val.parquet"
+    """validation parquet; null disables validation"""
+    train_batch_size: int = 8
+    """prompts per step, over all processes"""
+    max_prompt_length: int = 128
+    """longest prompt in tokens, after the chat template"""
+    truncation: Literal["error", "left", "filter"] = "error"
+    """what to do with a longer prompt: fail, keep its last tokens, or drop the row"""
+    shuffle: bool = True
+    """reshuffle the prompts every epoch"""
+    val_max_samples: int = 200
+    """validate on at most this many rows (0 = all)"""
+
+
+@dataclass
+class RolloutConfig:
+    name: Literal["vllm", "hf"] = "vllm"
+    """generation backend; falls back to hf (with a warning) where vLLM cannot be imported"""
+    n: int = 8
+    """samples per prompt"""
+    temperature: float = 1.0
+    """sampling temperature"""
+    top_p: float = 1.0
+    """nucleus sampling mass (1 = off)"""
+    top_k: int = -1
+    """sample among the k likeliest tokens (-1 = off)"""
+    max_response_length: int = 32
+    """most new tokens per response"""
+    val_temperature: float = 0.0
+    """temperature for validation (0 = greedy)"""
+    gpu_memory_utilization: float = 0.2
+    """vLLM's memory share for weights and KV cache (on CPU, a share of host RAM)"""
+    enforce_eager: bool = True
+    """vLLM: no CUDA graphs"""
+    dtype: Literal["bf16", "fp32"] = "bf16"
+    """vLLM weights dtype"""
+    free_cache_engine: bool = False
+    """vLLM on GPU: sleep the engine (free its KV cache) while training"""
+    micro_batch_size: int = 64
+    """sequences per HF generate call"""
+
+
+@dataclass
+class KLControlConfig:
+    type: Literal["fixed", "adaptive"] = "fixed"
+    """fixed β, or adaptive β (Ziegler et al. 2019)"""
+    kl_coef: float = 0.001
+    """β, the initial KL-penalty coefficient"""
+    target_kl: float = 0.1
+    """adaptive controller: KL per sequence it steers towards"""
+    horizon: int = 10000
+    """adaptive controller: horizon in samples"""
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: Literal["gae", "grpo", "rloo"] = "grpo"
+    """advantage estimator: gae (critic), grpo (group-normalised), rloo (leave-one-out)"""
+    gamma: float = 1.0
+    """discount factor for GAE"""
+    lam: float = 0.95
+    """GAE λ"""
+    norm_adv_by_std_in_grpo: bool = True
+    """GRPO: divide by the group std (false = Dr. GRPO)"""
+    whiten_advantages: bool = True
+    """GAE: whiten advantages over the valid tokens of the batch"""
+    use_kl_in_reward: bool = False
+    """subtract β·KL(policy‖ref) from the per-token reward"""
+    kl_penalty: Literal["k1", "k2", "k3", "abs"] = "k1"
+    """KL estimator for the reward penalty"""
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    """controller for β"""
+    use_kl_loss: bool = True
+    """add kl_loss_coef·KL(policy‖ref) to the policy loss (as GRPO does)"""
+    kl_loss_coef: float = 0.001
+    """weight of the KL loss"""
+    kl_loss_type: Literal["k1", "k2", "k3", "abs"] = "k3"
+    """KL estimator for the KL loss"""
+    rollout_is: Literal["off", "token", "sequence"] = "off"
+    """truncated importance sampling for rollout/training mismatch"""
+    rollout_is_threshold: float = 2.0
+    """upper bound of the rollout importance weight"""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 5e-5
+    """peak learning rate"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas"""
+    warmup_ratio: float = 0.05
+    """share of total steps spent in linear warmup"""
+    lr_scheduler: Literal["cosine", "constant"] = "cosine"
+    """schedule after warmup"""
+    min_lr_ratio: float = 0.1
+    """cosine floor, as a share of lr"""
+
+
+@dataclass
+class ActorConfig:
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """actor optimiser"""
+    ppo_epochs: int = 1
+    """passes over each batch of rollouts"""
+    ppo_mini_batch_size: int = 8
+    """prompts per optimiser step, over all processes (times rollout.n sequences)"""
+    ppo_micro_batch_size_per_device: int = 64
+    """sequences per forward/backward on one process (gradient accumulation fills the mini-batch)"""
+    log_prob_micro_batch_size_per_device: int = 64
+    """sequences per no-grad forward for old/ref logprobs and values"""
+    clip_ratio_low: float = 0.2
+    """PPO clip: ratio ≥ 1 − clip_ratio_low"""
+    clip_ratio_high: float = 0.2
+    """PPO clip: ratio ≤ 1 + clip_ratio_high"""
+    clip_ratio_c: float = 3.0
+    """dual-clip bound for negative advantages (Ye et al., 2020)"""
+    entropy_coef: float = 0.0
+    """entropy bonus weight"""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    """how per-token losses are averaged over the mini-batch"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    use_dynamic_bsz: bool = False
+    """form micro-batches by a token budget instead of a count"""
+    max_token_len_per_device: int = 8192
+    """token budget per micro-batch when use_dynamic_bsz"""
+
+
+@dataclass
+class CriticConfig:
+    model_path: Optional[str] = None
+    """value model backbone; null means model.path (a reward-model folder works too)"""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5, warmup_ratio=0.0,
+                                                                   lr_scheduler="constant"))
+    """critic optimiser"""
+    cliprange_value: float = 0.2
+    """value clipping around old values"""
+    vf_coef: float = 1.0
+    """value loss weight"""
+    warmup_steps: int = 0
+    """steps during which only the critic trains"""
+    ppo_micro_batch_size_per_device: int = 64
+    """sequences per critic forward/backward on one process"""
+
+
+@dataclass
+class RewardConfig:
+    type: Literal["rule", "model", "both"] = "rule"
+    """score with rule functions, a reward model, or a weighted sum of both"""
+    function: Optional[str] = None
+    """custom rule: path/to/file.py:name with verl's compute_score signature; null = built-ins by data_source"""
+    model_path: Optional[str] = None
+    """reward model folder (AutoModelForSequenceClassification)"""
+    rule_weight: float = 1.0
+    """weight of the rule score when type=both"""
+    model_weight: float = 1.0
+    """weight of the model score when type=both"""
+    normalize: bool = False
+    """standardise model scores with the mean/std stored beside the reward model"""
+    clip: Optional[float] = None
+    """clip model scores to ±clip"""
+    micro_batch_size: int = 32
+    """sequences per reward-model forward"""
+    overlong_penalty: float = 0.0
+    """added to the score of a response that hit max_response_length without EOS"""
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = 100
+    """PPO steps (one batch of rollouts each)"""
+    output_dir: str = "outputs/ppo"
+    """metrics.jsonl, checkpoints, the final model and curves.png go here"""
+    seed: int = 1
+    """seed for data order, sampling and initialisation"""
+    logger: list[str] = field(default_factory=lambda: ["console"])
+    """any of console, wandb, tensorboard"""
+    project_name: str = "ppo"
+    """wandb project"""
+    experiment_name: str = "default"
+    """wandb run name"""
+    sample_freq: int = 10
+    """print a table of sampled responses every N steps (0 = never)"""
+    num_samples_to_show: int = 4
+    """rows in that table"""
+    test_freq: int = 25
+    """validate every N steps (0 = only at the end)"""
+    val_before_train: bool = True
+    """validate once before the first step"""
+    save_freq: int = 50
+    """checkpoint every N steps (0 = only at the end)"""
+    keep_checkpoints: int = 2
+    """keep the last N step_* checkpoints"""
+    resume: str = "auto"
+    """auto (latest checkpoint in output_dir), off, or a checkpoint path"""
+    max_kl: float = 0.1
+    """stop (after a checkpoint) when kl/mean exceeds this (0 = never)"""
+    min_entropy: float = 0.0
+    """act when policy/entropy falls below this (0 = never)"""
+    min_entropy_action: Literal["warn", "stop"] = "warn"
+    """what to do then"""
+    plot_curves: bool = True
+    """write curves.png at the end"""
+
+
+@dataclass
+class RewardModelConfig:
+    model_path: str = "models/SmolLM2-135M-Instruct"
+    """backbone for the Bradley-Terry reward model"""
+    train_files: str = "data/preferences/train.parquet"
+    """preference parquet: prompt, chosen, rejected (optional margin)"""
+    val_files: Optional[str] = "data/preferences/val.parquet"
+    """validation preference parquet; null disables validation"""
+    output_dir: str = "outputs/reward_model"
+    """metrics, checkpoints and the final reward model"""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """policy model"""
+    data: DataConfig = field(default_factory=DataConfig)
+    """prompts"""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """generation"""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """advantages and KL"""
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    """policy optimisation"""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """value model (adv_estimator=gae)"""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """scoring"""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """loop, logging, checkpoints"""
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    """the reward-model training stage (reward_model.py)"""
+
+
+# ---------------------------------------------------------------------------------------
+# Loading and checking
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def all_keys(cls, prefix="") -> list[str]:
+    keys = []
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(f.type):
+            keys += all_keys(f.type, prefix + f.name + ".")
+        else:
+            keys.append(prefix + f.name)
+    return keys
+
+
+def _unknown(key: str, root) -> ConfigError:
+    near = difflib.get_close_matches(key, all_keys(root), n=1, cutoff=0.5)
+    hint = f"; did you mean `{near[0]}`?" if near else "; see `--help` for the valid keys"
+    return ConfigError(f"unknown config key `{key}`{hint}")
+
+
+def _coerce(value, tp, key: str):
+    """Check `value` against the annotation `tp`, converting where YAML or the CLI is loose."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("null", "none")):
+            return None
+        return _coerce(value, [a for a in args if a is not type(None)][0], key)
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"config key `{key}` must be one of {list(args)}, got {value!r}")
+        return value
+    if origin is list:
+        if isinstance(value, str):  # from the CLI: a,b,c  or  [a, b, c]
+            value = yaml.safe_load(value) if value.startswith("[") else value.split(",")
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"config key `{key}` must be a list, got {value!r}")
+        return [_coerce(v, args[0], key) for v in value]
+    if tp is bool:
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        if not isinstance(value, bool):
+            raise ConfigError(f"config key `{key}` must be true or false, got {value!r}")
+        return value
+    if tp in (int, float):
+        try:
+            number = tp(value) if not isinstance(value, bool) else None
+        except (TypeError, ValueError):
+            number = None
+        if number is None or (tp is int and isinstance(value, float) and value != int(value)):
+            raise ConfigError(f"config key `{key}` must be {'an integer' if tp is int else 'a number'}, got {value!r}")
+        return number
+    if tp is str:
+        return str(value)
+    raise ConfigError(f"config key `{key}` has an unsupported type {tp}")
+
+
+def _build(cls, values: dict, prefix: str, root):
+    if not isinstance(values, dict):
+        raise ConfigError(f"config section `{prefix.rstrip('.') or '(top)'}` must be a mapping, got {values!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for name, value in values.items():
+        if name not in names:
+            raise _unknown(prefix + name, root)
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = _build(tp, value or {}, prefix + name + ".", root)
+        else:
+            kwargs[name] = _coerce(value, tp, prefix + name)
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict, key: str, value: str, root):
+    cls, node, parts = root, tree, key.split(".")
+    for part in parts[:-1]:
+        tp = typing.get_type_hints(cls).get(part)
+        if tp is None or not dataclasses.is_dataclass(tp):
+            raise _unknown(key, root)
+        if not isinstance(node.get(part), dict):
+            node[part] = {}
+        cls, node = tp, node[part]
+    if parts[-1] not in {f.name for f in dataclasses.fields(cls)}:
+        raise _unknown(key, root)
+    node[parts[-1]] = value
+
+
+def load_config(path: Optional[str] = None, overrides: tuple = (), root=Config):
+    """configs.yaml (if given) → dotted CLI overrides (`a.b=value`) → a checked `root` dataclass."""
+    tree = {}
+    if path is not None:
+        try:
+            with open(path) as f:
+                tree = yaml.safe_load(f) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override `{item}` must look like key=value, e.g. trainer.total_steps=20")
+        key, value = item.split("=", 1)
+        _set_dotted(tree, key.strip(), value.strip(), root)
+    return _build(root, tree, "", root)
+
+
+def field_docs(cls) -> dict[str, str]:
+    """The string literal under each field of every dataclass in this file, by dotted key."""
+    docs, tree = {}, ast.parse(open(__file__).read())
+    classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
+
+    def walk(cls, prefix):
+        body = classes[cls.__name__].body
+        for stmt, nxt in zip(body, body[1:] + [None]):
+            if isinstance(stmt, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+                name, tp = stmt.target.id, typing.get_type_hints(cls)[stmt.target.id]
+                if dataclasses.is_dataclass(tp):
+                    walk(tp, prefix + name + ".")
+                else:
+                    docs[prefix + name] = nxt.value.value
+    walk(cls, "")
+    return docs
+
+
+def parse_args(argv: list[str], doc: str, root=Config):
+    """`--config FILE key=value ...` → Config. `--help` prints `doc` and every key with its default."""
+    if "-h" in argv or "--help" in argv:
+        print(doc.strip() + "\n\nConfig keys (default) — description:")
+        defaults = root()
+        for key, text in field_docs(root).items():
+            value = defaults
+            for part in key.split("."):
+                value = getattr(value, part)
+            print(f"  {key} ({value!r}) — {text}")
+        sys.exit(0)
+    path, overrides, i = None, [], 0
+    while i < len(argv):
+        if argv[i] == "--config":
+            if i + 1 >= len(argv):
+                raise ConfigError("--config needs a file, e.g. --config configs.yaml")
+            path, i = argv[i + 1], i + 2
+        elif argv[i].startswith("--config="):
+            path, i = argv[i].split("=", 1)[1], i + 1
+        else:
+            overrides.append(argv[i].removeprefix("--"))
+            i += 1
+    return load_config(path, overrides, root)
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
