@@ -1,0 +1,59 @@
+"""Shared fixtures: a tiny causal LM and tokenizer built inside the tests (no hub, no download).
+
+The model is a 2-layer Llama with hidden 128 and 2 heads, so head_dim is 64: the smallest
+shape vLLM's CPU attention accepts.
+"""
+import os
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CORPUS = [f"What is {a} + {b}? Reply with only the number. {a + b}" for a in range(12) for b in range(12)] + [
+    "system user assistant The answer is yes no good bad hello world Human Assistant"]
+
+
+def make_tokenizer(corpus=CORPUS, vocab_size=200):
+    """A byte-level BPE tokenizer trained on `corpus`, with a chat template and <|im_end|> as EOS and pad."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                   pad_token="<|im_end|>", unk_token="<|endoftext|>", chat_template=CHAT_TEMPLATE)
+
+
+def make_tiny_model(path, seed=0, tokenizer=None, arch="llama"):
+    """Save a random 2-layer causal LM (head_dim 64) and its tokenizer to `path`; return the path."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    tokenizer = tokenizer or make_tokenizer()
+    Cfg = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
+    config = Cfg(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512,
+                 bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                 pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny Llama + tokenizer folder, made once per test session."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_model"))
