@@ -1,0 +1,73 @@
+"""The critic: a value model, generalised advantage estimation, and the clipped value loss.
+
+The value model is a causal-LM backbone with a scalar head on every token
+(`AutoModelForTokenClassification`, num_labels=1, as verl does). Initialised from the policy,
+the head starts random; initialised from a reward model trained by reward_model.py
+(`AutoModelForSequenceClassification`, whose head is also called `score`), it starts from the
+reward model's head, so values begin on the scale of the scores.
+"""
+import torch
+from transformers import AutoConfig, AutoModelForTokenClassification
+
+
+def load_critic(path: str) -> torch.nn.Module:
+    """A token-level value model (fp32 weights) from a policy or reward-model folder."""
+    config = AutoConfig.from_pretrained(path, num_labels=1)
+    config.classifier_dropout = 0.0  # dropout would make values differ between rollout and update
+    model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch.float32)
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = model.config.eos_token_id
+    return model
+
+
+def compute_values(critic, input_ids, attention_mask, position_ids, response_length: int) -> torch.Tensor:
+    """V(s_t) for each response token t: the head's output at the position that predicts token t.
+
+    input_ids etc. (B, Tq+Tr) → values (B, Tr). The state before response token t ends at
+    position Tq + t − 1, the same position whose logits give log π(token t).
+    """
+    out = critic(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+    return out.logits[:, -response_length - 1:-1, 0].float()  # (B, Tr)
+
+
+def gae(rewards, values, response_mask, gamma: float, lam: float):
+    """δ_t = r_t + γ·V_{t+1} − V_t ;  Â_t = δ_t + γλ·Â_{t+1} ;  R_t = Â_t + V_t   (Schulman et al., 2016)
+
+    All (B, Tr). V beyond the last real token is 0 (the episode ends at EOS or the length limit).
+    Returns (advantages, returns), zero on padding.
+    """
+    values = values * response_mask
+    next_advantage = torch.zeros_like(rewards[:, 0])  # (B,)
+    advantages = torch.zeros_like(rewards)  # (B, Tr)
+    for t in reversed(range(rewards.shape[1])):
+        next_value = values[:, t + 1] if t + 1 < rewards.shape[1] else torch.zeros_like(next_advantage)
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        next_advantage = delta + gamma * lam * next_advantage
+        # padding neither earns advantage nor passes it back
+        next_advantage = next_advantage * response_mask[:, t]
+        advantages[:, t] = next_advantage
+    returns = (advantages + values) * response_mask
+    return advantages, returns
+
+
+def value_loss(values, old_values, returns, response_mask, cliprange: float):
+    """L_V = ½·max((V − R)², (V_clip − R)²),  V_clip = V_old + clip(V − V_old, ±ε)   (per token, (B, Tr))
+
+    As in OpenAI's baselines PPO2 and lm-human-preferences. Also returns the share of tokens
+    where the clipped term was the larger one.
+    """
+    values_clipped = old_values + (values - old_values).clamp(-cliprange, cliprange)
+    loss1 = (values - returns).square()
+    loss2 = (values_clipped - returns).square()
+    clipfrac = ((loss2 > loss1).float() * response_mask).sum() / response_mask.sum().clamp(min=1)
+    return 0.5 * torch.max(loss1, loss2), clipfrac
+
+
+def explained_variance(values, returns, response_mask) -> float:
+    """1 − Var[R − V] / Var[R] over the real tokens: 1 is perfect, 0 is no better than a constant."""
+    mask = response_mask.bool()
+    v, r = values[mask].float(), returns[mask].float()
+    var_r = r.var(unbiased=False)
+    if v.numel() < 2 or var_r == 0:
+        return float("nan")
+    return float(1 - (r - v).var(unbiased=False) / var_r)

@@ -1,0 +1,67 @@
+"""KL regularisation towards the reference policy.
+
+Two places a KL term can enter PPO for language models:
+  * as a per-token reward penalty, rewards_t = −β·KL_t (Ziegler et al., 2019; Ouyang et al., 2022),
+    with β fixed or steered by an adaptive controller;
+  * as a loss term, kl_loss_coef·KL added to the policy loss (Shao et al., 2024, GRPO).
+
+The per-token KL is estimated from samples of the policy with the estimators of
+John Schulman, "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html .
+"""
+import torch
+
+
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token estimate of KL(π ‖ π_ref) at tokens sampled from π, with log r = log π_ref − log π:
+
+        k1 = −log r                  unbiased, high variance, can be negative
+        k2 = ½ (log r)²              biased, low variance
+        k3 = (r − 1) − log r         unbiased, low variance, always ≥ 0
+        abs = |log r|
+    """
+    log_ratio = ref_logprobs - logprobs
+    if kind == "k1":
+        return -log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio.square()
+    if kind == "k3":
+        # clamp: exp of a large log-ratio overflows long before it carries any useful signal
+        log_ratio = log_ratio.clamp(-20, 20)
+        return (log_ratio.exp() - 1) - log_ratio
+    if kind == "abs":
+        return log_ratio.abs()
+    raise ValueError(f"unknown KL estimator {kind!r}; use k1, k2, k3 or abs")
+
+
+def kl_penalty_rewards(scores: torch.Tensor, kl: torch.Tensor, response_mask: torch.Tensor, beta: float):
+    """rewards_t = −β·KL_t at every response token, and + score at the last real token.
+
+    scores (B,), kl and response_mask (B, Tr) → rewards (B, Tr); the padding gets 0.
+    """
+    rewards = -beta * kl * response_mask  # (B, Tr)
+    last = response_mask.sum(dim=1).long().clamp(min=1) - 1  # (B,) index of the last real token
+    rewards[torch.arange(len(scores)), last] += scores
+    return rewards
+
+
+class KLController:
+    """β for the reward penalty: fixed, or adaptive (Ziegler et al., 2019, §2.2):
+
+        e = clip(KL / KL_target − 1, −0.2, 0.2) ;  β ← β · (1 + e · n_steps / horizon)
+
+    where KL is the mean per-sequence KL of the batch and n_steps the samples it came from.
+    """
+
+    def __init__(self, kind: str, kl_coef: float, target_kl: float, horizon: int):
+        self.kind, self.value, self.target, self.horizon = kind, kl_coef, target_kl, horizon
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        if self.kind == "adaptive":
+            error = min(max(current_kl / self.target - 1, -0.2), 0.2)
+            self.value *= 1 + error * n_steps / self.horizon
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = state["value"]
