@@ -439,3 +439,9 @@ def parse_args(argv: list[str], doc: str, root=Config):
 
 def to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
+
+
+def save(cfg, path: str) -> None:
+    """The resolved config, overrides applied: `--config` this file to rerun the same experiment."""
+    with open(path, "w") as f:
+        yaml.safe_dump(to_dict(cfg), f, sort_keys=False)

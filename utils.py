@@ -198,11 +198,13 @@ def checkpoint_step(path: str) -> int:
     return int(re.search(r"step_(\d+)", os.path.basename(os.path.normpath(path))).group(1))
 
 
-def save_pretrained_atomic(model, tokenizer, path: str) -> None:
-    """The policy in HF format (a LoRA model writes adapter_model.safetensors + adapter_config.json)."""
+def save_pretrained_atomic(model, tokenizer, path: str, state_dict=None) -> None:
+    """The model in HF format (a LoRA model writes adapter_model.safetensors + adapter_config.json).
+
+    `state_dict`: the full weights when the model is sharded (accelerator.get_state_dict)."""
     tmp = path + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    model.save_pretrained(tmp, state_dict=state_dict)
     tokenizer.save_pretrained(tmp)
     shutil.rmtree(path, ignore_errors=True)
     os.replace(tmp, path)

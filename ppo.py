@@ -1,0 +1,621 @@
+"""PPO for language models in one file: rollouts, scores, KL, advantages, clipped updates.
+
+    accelerate launch ppo.py --config configs.yaml                          # the demo, CPU or GPU
+    accelerate launch ppo.py --config configs.yaml trainer.total_steps=20 algorithm.adv_estimator=gae
+    accelerate launch --num_processes 2 ppo.py --config configs.yaml        # 2 processes (DDP; gloo on CPU)
+    accelerate launch --config_file accelerate_configs/fsdp2.yaml ppo.py --config configs.yaml  # FSDP2
+    python ppo.py --help                                                    # every config key
+
+Each step: 1. sample prompts, 2. generate, 3. score, 4. old/ref logprobs and values,
+5. rewards = score − β·KL, 6. advantages, 7. PPO epochs, 8. sync rollout weights, 9. log,
+10. checkpoint.
+
+How this departs from the textbook (Schulman et al., 2017; Ziegler et al., 2019):
+1. An episode is one response; the task score arrives at its last real token (EOS included), and
+   the optional KL penalty at every token.
+2. old_logprobs are recomputed by the training model, never taken from the sampler: vLLM's
+   kernels and precision differ slightly. The gap is logged (rollout/*) and can be corrected by
+   truncated importance sampling (algorithm.rollout_is).
+3. With one PPO epoch, one mini-batch and no KL in the reward, the batch is used once while the
+   weights are still those that sampled it: old_logprobs = logprobs.detach() from the update's own
+   forward, saving a whole forward pass. The ratio is then exactly 1, as it must be.
+4. Losses are normalised by the token (or sequence) count of the whole mini-batch over all
+   processes, so gradient accumulation and the number of processes do not change the gradient.
+5. GRPO/RLOO take a response's return as the sum of its token rewards (the score, minus the KL
+   penalty when use_kl_in_reward), and spread one advantage over all its tokens.
+
+Shapes: B sequences on this process (prompts × n), Tq prompt length, Tr response length, V vocab.
+"""
+import os
+import sys
+import time
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from tqdm import tqdm
+
+import config
+import data
+import rewards as rule_rewards
+from critic import compute_values, explained_variance, gae, load_critic, value_loss
+from kl import KLController, kl_estimate, kl_penalty_rewards
+from rollout import left_pad, make_rollout
+from utils import (autocast, autocast_dtype, checkpoint_step, console_line, drop_metrics_after, exact_div,
+                   load_policy, load_tokenizer, make_optimizer, MetricsLogger, plot_curves, resolve_resume,
+                   sample_table, save_checkpoint, save_pretrained_atomic, timed)
+
+# ---------------------------------------------------------------------------------------
+# Math: small pure functions, each a line of a paper
+
+
+def masked_mean(x, mask, dim=None):
+    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def masked_whiten(x, mask, eps=1e-8):
+    """(x − mean) / std over the real tokens; padding stays 0."""
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean).square(), mask)
+    return (x - mean) * torch.rsqrt(var + eps) * mask
+
+
+def grpo_advantages(returns, response_mask, n: int, norm_by_std: bool, eps=1e-6):
+    """Â_i = (R_i − mean_g R) / (std_g R + ε) over the n samples g of a prompt   (Shao et al., 2024)
+
+    norm_by_std=False drops the division (Liu et al., 2025, "Dr. GRPO"). returns (B,) → (B, Tr).
+    """
+    groups = returns.view(-1, n)  # (B/n, n)
+    adv = groups - groups.mean(dim=1, keepdim=True)
+    if norm_by_std:
+        adv = adv / (groups.std(dim=1, keepdim=True) + eps)
+    return adv.reshape(-1, 1) * response_mask
+
+
+def rloo_advantages(returns, response_mask, n: int):
+    """Â_i = R_i − 1/(n−1) · Σ_{j≠i} R_j   (Ahmadian et al., 2024, REINFORCE leave-one-out)"""
+    groups = returns.view(-1, n)  # (B/n, n)
+    baseline = (groups.sum(dim=1, keepdim=True) - groups) / (n - 1)
+    return (groups - baseline).reshape(-1, 1) * response_mask
+
+
+def policy_loss(logprobs, old_logprobs, advantages, clip_low: float, clip_high: float, clip_c: float):
+    """PPO's clipped surrogate, per token (Schulman et al., 2017), with dual clip (Ye et al., 2020):
+
+        ratio = exp(log π − log π_old)
+        pg_loss1 = −Â·ratio ;  pg_loss2 = −Â·clip(ratio, 1 − ε_low, 1 + ε_high) ;  pg = max(pg_loss1, pg_loss2)
+        where Â < 0:  pg = min(pg, −Â·c)      (bounds the loss of a huge ratio on a bad action)
+    Returns pg (B, Tr) and a (B, Tr) float mask of where clipping bit.
+    """
+    ratio = torch.exp(logprobs - old_logprobs)
+    pg_loss1 = -advantages * ratio
+    pg_loss2 = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
+    pg = torch.max(pg_loss1, pg_loss2)
+    pg = torch.where(advantages < 0, torch.min(pg, -advantages * clip_c), pg)
+    return pg, (pg_loss2 > pg_loss1).float()
+
+
+def agg_loss(loss_mat, mask, mode: str, num_tokens: float, num_seqs: float):
+    """This micro-batch's share of the mini-batch loss, normalised by the mini-batch's counts:
+
+        token-mean:          Σ_{i,t} ℓ_it / N_tokens
+        seq-mean-token-sum:  Σ_i Σ_t ℓ_it / N_seqs
+        seq-mean-token-mean: Σ_i (Σ_t ℓ_it / T_i) / N_seqs
+    Summing the shares of all micro-batches gives the loss of the whole mini-batch.
+    """
+    if mode == "token-mean":
+        return (loss_mat * mask).sum() / num_tokens
+    if mode == "seq-mean-token-sum":
+        return (loss_mat * mask).sum() / num_seqs
+    if mode == "seq-mean-token-mean":
+        return ((loss_mat * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / num_seqs
+    raise ValueError(f"unknown loss_agg_mode {mode!r}")
+
+
+def logprobs_from_logits(logits, tokens):
+    """log softmax(logits)[token]: (B, Tr, V), (B, Tr) → (B, Tr)."""
+    return torch.gather(logits.log_softmax(-1), 2, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def entropy_from_logits(logits):
+    """H = logsumexp(z) − Σ softmax(z)·z, per position: (B, Tr, V) → (B, Tr)."""
+    return torch.logsumexp(logits, -1) - (logits.softmax(-1) * logits).sum(-1)
+
+
+# ---------------------------------------------------------------------------------------
+# Batches
+
+
+def model_inputs(queries, query_mask, responses, response_mask):
+    """Left-padded queries + right-padded responses → input_ids, attention_mask, position_ids (B, Tq+Tr)."""
+    input_ids = torch.cat([queries, responses], dim=1)
+    attention_mask = torch.cat([query_mask, response_mask], dim=1)
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # positions restart after the left padding
+    return input_ids, attention_mask, position_ids
+
+
+def micro_batch(batch: dict, inds, device):
+    """Rows `inds` of the batch, with columns that are padding in every row cut away."""
+    mb = {k: v[inds] for k, v in batch.items()}
+    q_keep = mb["query_mask"].any(0).nonzero()[0, 0]  # first column any query uses
+    r_keep = int(mb["response_mask"].any(0).nonzero()[-1, 0]) + 1  # last column any response uses
+    for k, v in mb.items():
+        if k in ("queries", "query_mask"):
+            mb[k] = v[:, q_keep:]
+        elif v.dim() == 2:
+            mb[k] = v[:, :r_keep]
+    return {k: v.to(device) for k, v in mb.items()}
+
+
+def split_micro(inds, lengths, size: int, max_tokens: int = 0):
+    """Split indices into micro-batches of `size` rows, or (max_tokens > 0) greedily by a token budget."""
+    if max_tokens <= 0:
+        return [inds[i:i + size] for i in range(0, len(inds), size)]
+    order = sorted(inds.tolist(), key=lambda i: lengths[i])
+    out, cur, longest = [], [], 0
+    for i in order:
+        if cur and max(longest, lengths[i]) * (len(cur) + 1) > max_tokens:
+            out.append(torch.tensor(cur))
+            cur, longest = [], 0
+        cur.append(i)
+        longest = max(longest, lengths[i])
+    return out + [torch.tensor(cur)]
+
+
+def forward_logprobs(model, mb, temperature: float, dtype, with_entropy: bool):
+    """log π(response token t | prefix) and the entropy at each response position, (B, Tr) each."""
+    input_ids, attention_mask, position_ids = model_inputs(mb["queries"], mb["query_mask"],
+                                                           mb["responses"], mb["response_mask"])
+    Tr = mb["responses"].shape[1]
+    with autocast(input_ids.device, dtype):
+        # only the Tr positions that predict response tokens need logits: (B, Tr, V), not (B, Tq+Tr, V)
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       logits_to_keep=Tr + 1).logits[:, :-1]
+    logits = logits.float() / temperature  # the sampler's distribution is softmax(z / T)
+    logprobs = logprobs_from_logits(logits, mb["responses"])
+    entropy = entropy_from_logits(logits) if with_entropy else None
+    return logprobs, entropy
+
+
+def forward_values(critic, mb, dtype):
+    input_ids, attention_mask, position_ids = model_inputs(mb["queries"], mb["query_mask"],
+                                                           mb["responses"], mb["response_mask"])
+    with autocast(input_ids.device, dtype):
+        return compute_values(critic, input_ids, attention_mask, position_ids, mb["responses"].shape[1])
+
+
+@torch.no_grad()
+def per_token_pass(fn, batch, size, max_tokens, lengths, device):
+    """Run fn(micro-batch) → (b, tr) over the batch without grad; reassemble the (B, Tr) result."""
+    out = torch.zeros(batch["responses"].shape, dtype=torch.float32)
+    for inds in split_micro(torch.arange(len(lengths)), lengths, size, max_tokens):
+        result = fn(micro_batch(batch, inds, device)).float().cpu()
+        out[inds, :result.shape[1]] = result
+    return out
+
+
+class TrainState:
+    """What a checkpoint needs beyond models and optimisers: the step, the data position, β."""
+
+    def __init__(self, kl_ctrl: KLController):
+        self.step, self.epoch, self.position, self.skipped, self.kl_ctrl = 0, 0, 0, 0, kl_ctrl
+
+    def state_dict(self):
+        return {"step": self.step, "epoch": self.epoch, "position": self.position, "skipped": self.skipped,
+                "kl_coef": self.kl_ctrl.value}
+
+    def load_state_dict(self, s):
+        self.step, self.epoch, self.position, self.skipped = s["step"], s["epoch"], s["position"], s["skipped"]
+        self.kl_ctrl.value = s["kl_coef"]
+
+
+def next_prompts(state: TrainState, num_rows: int, batch_size: int, seed: int, shuffle: bool):
+    """The next `batch_size` row indices of a seeded per-epoch permutation (the last partial batch is dropped)."""
+    if state.position + batch_size > num_rows:
+        state.epoch, state.position = state.epoch + 1, 0
+    order = (torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + state.epoch))
+             if shuffle else torch.arange(num_rows))
+    inds = order[state.position:state.position + batch_size].tolist()
+    state.position += batch_size
+    return inds
+
+
+def decode_responses(tokenizer, responses, response_mask) -> list[str]:
+    return tokenizer.batch_decode([r[m.bool()].tolist() for r, m in zip(responses, response_mask)],
+                                  skip_special_tokens=True)
+
+
+def score_responses(cfg, reward_fn, rm_scorer, rows, texts):
+    """The task score of each response: rule function, reward model, or their weighted sum. → (B,), metrics"""
+    metrics = {}
+    scores = torch.zeros(len(texts))
+    if cfg.reward.type in ("rule", "both"):
+        rule, extra, errors = rule_rewards.score_responses(reward_fn, rows, texts)
+        weight = cfg.reward.rule_weight if cfg.reward.type == "both" else 1.0
+        scores += weight * torch.tensor(rule, dtype=torch.float32)
+        metrics["reward/errors"] = float(errors)
+        metrics.update({f"reward/{k}": sum(v) / len(v) for k, v in extra.items() if v})
+    if cfg.reward.type in ("model", "both"):
+        model_scores = rm_scorer.score([r["prompt"] for r in rows], texts).float().cpu()
+        weight = cfg.reward.model_weight if cfg.reward.type == "both" else 1.0
+        scores += weight * model_scores
+        metrics["reward/model_score_mean"] = model_scores.mean().item()
+    return scores, metrics
+
+
+@torch.no_grad()
+def validate(cfg, rollout, tokenizer, reward_fn, rm_scorer, val_rows, accelerator):
+    """Generate once per validation prompt (greedy by default); mean score overall and per data_source."""
+    mine = val_rows[accelerator.process_index::accelerator.num_processes]
+    ro = rollout.generate([r["prompt_ids"] for r in mine], n=1, temperature=cfg.rollout.val_temperature)
+    texts = decode_responses(tokenizer, ro.responses, ro.response_mask)
+    scores, _ = score_responses(cfg, reward_fn, rm_scorer, mine, texts)
+    sources = sorted({r["data_source"] for r in val_rows})
+    sums = torch.zeros(len(sources), 2)  # (sum of scores, count) per source
+    for row, s in zip(mine, scores.tolist()):
+        sums[sources.index(row["data_source"])] += torch.tensor([s, 1.0])
+    sums = accelerator.reduce(sums.to(accelerator.device), "sum").cpu()
+    metrics = {"val/score/mean": (sums[:, 0].sum() / sums[:, 1].sum()).item()}
+    metrics.update({f"val/{src}/score": (s / max(c, 1)).item() for src, (s, c) in zip(sources, sums)})
+    return metrics
+
+
+def check_sizes(cfg, world: int, num_rows: int) -> dict:
+    """Every derived batch size, computed once; one that does not divide fails here with a sentence."""
+    d, a, n = cfg.data, cfg.actor, cfg.rollout.n
+    if cfg.algorithm.adv_estimator in ("grpo", "rloo") and n < 2:
+        raise ValueError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares the samples of a "
+                         f"prompt: set rollout.n ≥ 2 (it is {n})")
+    if num_rows < d.train_batch_size:
+        raise ValueError(f"data.train_files has {num_rows} usable prompts, fewer than "
+                         f"data.train_batch_size={d.train_batch_size}")
+    prompts = exact_div(d.train_batch_size, world, "data.train_batch_size across processes")
+    num_mini = exact_div(d.train_batch_size, a.ppo_mini_batch_size,
+                         "data.train_batch_size by actor.ppo_mini_batch_size (prompts per mini-batch)")
+    mini = exact_div(a.ppo_mini_batch_size * n, world, "actor.ppo_mini_batch_size × rollout.n across processes")
+    micro = min(a.ppo_micro_batch_size_per_device, mini)
+    exact_div(mini, micro, "sequences per mini-batch on one process by actor.ppo_micro_batch_size_per_device")
+    critic_micro = min(cfg.critic.ppo_micro_batch_size_per_device, mini)
+    exact_div(mini, critic_micro, "sequences per mini-batch on one process by critic.ppo_micro_batch_size_per_device")
+    return dict(prompts=prompts, num_mini=num_mini, mini=mini, micro=micro, critic_micro=critic_micro,
+                batch=prompts * n)
+
+
+def prepare_frozen(accelerator, model):
+    """The reference model: sharded like the actor under FSDP, else one replica per device (no DDP: no grads)."""
+    model.eval().requires_grad_(False)
+    if accelerator.distributed_type.name == "FSDP":
+        return accelerator.prepare_model(model)
+    return model.to(accelerator.device)
+
+
+def main(cfg: config.Config):
+    accelerator = Accelerator()
+    print0 = accelerator.print
+    set_seed(cfg.trainer.seed)
+    t, alg, device = cfg.trainer, cfg.algorithm, accelerator.device
+    dtype = autocast_dtype(cfg.model.dtype)
+    tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
+
+    # ---- data: prompts tokenised once, sizes checked before any model is loaded
+    train_rows, stats = data.load_rl_dataset(cfg.data.train_files, tokenizer, cfg.data.max_prompt_length,
+                                             cfg.data.truncation)
+    print0(f"train prompts: {stats}")
+    val_rows = []
+    if cfg.data.val_files:
+        val_rows, val_stats = data.load_rl_dataset(cfg.data.val_files, tokenizer, cfg.data.max_prompt_length,
+                                                   cfg.data.truncation)
+        val_rows = val_rows[:cfg.data.val_max_samples or None]
+        print0(f"val prompts: {val_stats}, using {len(val_rows)}")
+    sizes = check_sizes(cfg, accelerator.num_processes, len(train_rows))
+    n, B = cfg.rollout.n, sizes["batch"]
+    on_policy_shortcut = (cfg.actor.ppo_epochs == 1 and sizes["num_mini"] == 1 and not alg.use_kl_in_reward)
+
+    # ---- models: actor, reference, critic, reward
+    policy = load_policy(cfg.model)
+    use_ref = alg.use_kl_in_reward or alg.use_kl_loss
+    ref = None
+    if use_ref and cfg.model.lora_rank == 0:  # with LoRA the reference is the actor with its adapter disabled
+        from transformers import AutoModelForCausalLM
+        ref = prepare_frozen(accelerator, AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32))
+    actor_opt, actor_sched = make_optimizer(policy, cfg.actor.optim, t.total_steps)
+    critic = critic_opt = critic_sched = None
+    if alg.adv_estimator == "gae":
+        critic = load_critic(cfg.critic.model_path or cfg.model.path)
+        critic_opt, critic_sched = make_optimizer(critic, cfg.critic.optim, t.total_steps)
+        policy, actor_opt, critic, critic_opt = accelerator.prepare(policy, actor_opt, critic, critic_opt)
+    else:
+        policy, actor_opt = accelerator.prepare(policy, actor_opt)
+    reward_fn = rule_rewards.load_reward_function(cfg.reward.function) if cfg.reward.type != "model" else None
+    rm_scorer = None
+    if cfg.reward.type in ("model", "both"):
+        from reward_model import RewardModelScorer
+        if not cfg.reward.model_path:
+            raise ValueError("reward.type=model needs reward.model_path (a folder written by reward_model.py)")
+        rm_scorer = RewardModelScorer(cfg.reward.model_path, cfg.reward.micro_batch_size, cfg.reward.normalize,
+                                      cfg.reward.clip, device, dtype)
+
+    # ---- state, resume
+    state = TrainState(KLController(alg.kl_ctrl.type, alg.kl_ctrl.kl_coef, alg.kl_ctrl.target_kl,
+                                    alg.kl_ctrl.horizon))
+    accelerator.register_for_checkpointing(state, actor_sched, *([critic_sched] if critic else []))
+    logger = MetricsLogger(t.output_dir, t.logger, config.to_dict(cfg), t.project_name, t.experiment_name,
+                           accelerator.is_main_process)
+    resume_from = resolve_resume(t.resume, t.output_dir)
+    if resume_from:
+        accelerator.load_state(resume_from)
+        print0(f"resumed from {resume_from} at step {state.step}")
+        if accelerator.is_main_process:
+            drop_metrics_after(logger.path, checkpoint_step(resume_from))
+    elif accelerator.is_main_process and os.path.exists(logger.path):
+        os.remove(logger.path)  # a fresh run starts a fresh log
+    if accelerator.is_main_process:
+        os.makedirs(t.output_dir, exist_ok=True)
+        config.save(cfg, os.path.join(t.output_dir, "config.yaml"))
+    rollout = make_rollout(cfg, policy, tokenizer, accelerator, dtype)
+    unwrapped = accelerator.unwrap_model(policy)
+    temperature = cfg.rollout.temperature or 1.0
+
+    def ref_logprobs_of(mb):
+        if ref is not None:
+            return forward_logprobs(ref, mb, temperature, dtype, False)[0]
+        with unwrapped.disable_adapter():
+            return forward_logprobs(unwrapped, mb, temperature, dtype, False)[0]
+
+    lp_micro, max_tok = cfg.actor.log_prob_micro_batch_size_per_device, (
+        cfg.actor.max_token_len_per_device if cfg.actor.use_dynamic_bsz else 0)
+    if t.val_before_train and val_rows and state.step == 0:
+        metrics = validate(cfg, rollout, tokenizer, reward_fn, rm_scorer, val_rows, accelerator)
+        print0("validation before training: " + console_line(metrics, sorted(metrics)))
+        logger.log(metrics, 0)
+
+    stop_reason = None
+    bar = tqdm(range(state.step + 1, t.total_steps + 1), disable=not accelerator.is_main_process,
+               desc="ppo", dynamic_ncols=True)
+    for step in bar:
+        times, metrics = {}, {}
+        t0 = time.perf_counter()
+
+        # ---- 1. sample prompts: one global batch from a seeded permutation, this process's slice of it
+        inds = next_prompts(state, len(train_rows), cfg.data.train_batch_size, t.seed, cfg.data.shuffle)
+        mine = inds[accelerator.process_index * sizes["prompts"]:(accelerator.process_index + 1) * sizes["prompts"]]
+        rows = [train_rows[i] for i in mine for _ in range(n)]  # row i·n + j: sample j of prompt i
+
+        # ---- 2. generate n responses per prompt
+        with timed(times, "time/gen_s"):
+            ro = rollout.generate([train_rows[i]["prompt_ids"] for i in mine], n, cfg.rollout.temperature,
+                                  seed=t.seed * 100_003 + step * 1_009 + accelerator.process_index)
+        queries, query_mask = left_pad([r["prompt_ids"] for r in rows], tokenizer.pad_token_id)  # (B, Tq)
+        responses, response_mask = ro.responses, ro.response_mask  # (B, Tr)
+        lengths = response_mask.sum(1)  # (B,)
+        batch = dict(queries=queries, query_mask=query_mask, responses=responses, response_mask=response_mask)
+        if ro.logprobs is not None:
+            batch["rollout_logprobs"] = ro.logprobs
+
+        # ---- 3. score: the task reward of each response
+        with timed(times, "time/reward_s"):
+            texts = decode_responses(tokenizer, responses, response_mask)
+            scores, reward_metrics = score_responses(cfg, reward_fn, rm_scorer, rows, texts)  # (B,)
+            last_tokens = responses[torch.arange(B), (lengths - 1).clamp(min=0)]
+            truncated = (lengths == cfg.rollout.max_response_length) & ~torch.isin(last_tokens, torch.tensor(
+                sorted(rollout.eos_ids)))
+            scores = scores + cfg.reward.overlong_penalty * truncated.float()
+        metrics.update(reward_metrics)
+
+        # ---- 4. old/ref logprobs and values, without grad, micro-batched
+        tok_lengths = (query_mask.sum(1) + lengths).tolist()
+        if not on_policy_shortcut:
+            with timed(times, "time/old_logprob_s"):
+                batch["old_logprobs"] = per_token_pass(
+                    lambda mb: forward_logprobs(policy, mb, temperature, dtype, False)[0],
+                    batch, lp_micro, max_tok, tok_lengths, device)
+        if use_ref:
+            with timed(times, "time/ref_s"):
+                batch["ref_logprobs"] = per_token_pass(ref_logprobs_of, batch, lp_micro, max_tok, tok_lengths, device)
+        if critic is not None:
+            with timed(times, "time/values_s"):
+                batch["values"] = per_token_pass(lambda mb: forward_values(critic, mb, dtype), batch, lp_micro,
+                                                 max_tok, tok_lengths, device) * response_mask
+
+        # ---- 5. rewards = score at the last token − β·KL at every token
+        beta = state.kl_ctrl.value
+        if alg.use_kl_in_reward:
+            kl = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], alg.kl_penalty) * response_mask
+            token_rewards = kl_penalty_rewards(scores, kl, response_mask, beta)  # (B, Tr)
+            seq_kl = masked_mean(kl, response_mask, 1).mean()
+            state.kl_ctrl.update(accelerator.reduce(seq_kl.to(device), "mean").item(), cfg.data.train_batch_size * n)
+        else:
+            token_rewards = kl_penalty_rewards(scores, torch.zeros_like(response_mask, dtype=torch.float32),
+                                               response_mask, 0.0)
+
+        # ---- 6. advantages
+        if alg.adv_estimator == "gae":
+            advantages, returns = gae(token_rewards, batch["values"], response_mask.float(), alg.gamma, alg.lam)
+            if alg.whiten_advantages:
+                advantages = masked_whiten(advantages, response_mask)
+            batch["returns"] = returns
+        elif alg.adv_estimator == "grpo":
+            advantages = grpo_advantages(token_rewards.sum(1), response_mask, n, alg.norm_adv_by_std_in_grpo)
+        else:
+            advantages = rloo_advantages(token_rewards.sum(1), response_mask, n)
+        batch["advantages"] = advantages
+
+        # ---- 7. PPO epochs over mini-batches, gradient accumulation over micro-batches
+        stats = {k: [] for k in ("pg_loss", "clipfrac", "approx_kl", "entropy", "kl", "vf_loss", "vf_clipfrac",
+                                 "is_weight", "lp_diff", "lp_diff_max", "ratio", "grad_norm", "critic_grad_norm")}
+        update_actor = step > cfg.critic.warmup_steps
+        g = torch.Generator().manual_seed(t.seed * 7919 + step)
+        for epoch in range(cfg.actor.ppo_epochs):
+            perm = torch.randperm(B, generator=g)
+            for mb_inds in perm.split(sizes["mini"]):
+                # normalisers over the whole mini-batch and every process (departure 4)
+                counts = torch.tensor([float(response_mask[mb_inds].sum()), float(len(mb_inds))], device=device)
+                num_tokens, num_seqs = (accelerator.reduce(counts, "sum") / accelerator.num_processes).tolist()
+                micros = split_micro(mb_inds, tok_lengths, sizes["micro"], max_tok)
+                with timed(times, "time/update_actor_s"):
+                    for i, inds in enumerate(micros):
+                        mb = micro_batch(batch, inds, device)
+                        mask = mb["response_mask"].float()
+                        sync = accelerator.no_sync(policy) if i < len(micros) - 1 else nullcontext()
+                        with sync:
+                            logprobs, entropy = forward_logprobs(policy, mb, temperature, dtype, True)
+                            old = logprobs.detach() if on_policy_shortcut else mb["old_logprobs"]
+                            pg, clipped = policy_loss(logprobs, old, mb["advantages"], cfg.actor.clip_ratio_low,
+                                                      cfg.actor.clip_ratio_high, cfg.actor.clip_ratio_c)
+                            if "rollout_logprobs" in mb:  # departure 2: how far the sampler was from this model
+                                log_w = (old - mb["rollout_logprobs"]) * mask
+                                if alg.rollout_is == "sequence":
+                                    log_w = log_w.sum(1, keepdim=True).expand_as(log_w)
+                                is_weight = log_w.exp().clamp(max=alg.rollout_is_threshold).detach()
+                                if alg.rollout_is != "off":
+                                    pg = pg * is_weight
+                                stats["is_weight"].append(masked_mean(is_weight, mask).item())
+                                stats["lp_diff"].append(masked_mean(log_w.abs(), mask).item())
+                                stats["lp_diff_max"].append((log_w.abs() * mask).max().item())
+                                stats["ratio"].append(masked_mean((old - mb["rollout_logprobs"]).exp(), mask).item())
+                            loss_mat = pg - cfg.actor.entropy_coef * entropy
+                            if use_ref:
+                                kl_tok = kl_estimate(logprobs, mb["ref_logprobs"], alg.kl_loss_type)
+                                if alg.use_kl_loss:
+                                    loss_mat = loss_mat + alg.kl_loss_coef * kl_tok
+                                if epoch == 0:
+                                    metric_kl = alg.kl_penalty if alg.use_kl_in_reward else alg.kl_loss_type
+                                    stats["kl"].append(masked_mean(kl_estimate(old, mb["ref_logprobs"], metric_kl),
+                                                                   mask).item())
+                            loss = agg_loss(loss_mat, mask, cfg.actor.loss_agg_mode, num_tokens, num_seqs)
+                            if update_actor:
+                                accelerator.backward(loss)
+                        stats["pg_loss"].append(masked_mean(pg, mask).item())
+                        stats["clipfrac"].append(masked_mean(clipped, mask).item())
+                        stats["approx_kl"].append(masked_mean(kl_estimate(old, logprobs.detach(), "k3"), mask).item())
+                        stats["entropy"].append(masked_mean(entropy.detach(), mask).item())
+                    if update_actor:
+                        grad_norm = accelerator.clip_grad_norm_(policy.parameters(), cfg.actor.max_grad_norm)
+                        if torch.isfinite(grad_norm):
+                            actor_opt.step()
+                            stats["grad_norm"].append(grad_norm.item())
+                        else:  # a non-finite loss or gradient never reaches the weights
+                            state.skipped += 1
+                        actor_opt.zero_grad(set_to_none=True)
+                if critic is not None:
+                    with timed(times, "time/update_critic_s"):
+                        critic_micros = split_micro(mb_inds, tok_lengths, sizes["critic_micro"], max_tok)
+                        for i, inds in enumerate(critic_micros):
+                            mb = micro_batch(batch, inds, device)
+                            mask = mb["response_mask"].float()
+                            sync = accelerator.no_sync(critic) if i < len(critic_micros) - 1 else nullcontext()
+                            with sync:
+                                values = forward_values(critic, mb, dtype)
+                                vf, vf_clipfrac = value_loss(values, mb["values"], mb["returns"], mask,
+                                                             cfg.critic.cliprange_value)
+                                loss = cfg.critic.vf_coef * agg_loss(vf, mask, "token-mean", num_tokens, num_seqs)
+                                accelerator.backward(loss)
+                            stats["vf_loss"].append(masked_mean(vf.detach(), mask).item())
+                            stats["vf_clipfrac"].append(vf_clipfrac.item())
+                        grad_norm = accelerator.clip_grad_norm_(critic.parameters(), cfg.actor.max_grad_norm)
+                        if torch.isfinite(grad_norm):
+                            critic_opt.step()
+                            stats["critic_grad_norm"].append(grad_norm.item())
+                        else:
+                            state.skipped += 1
+                        critic_opt.zero_grad(set_to_none=True)
+        metrics["actor/lr"] = actor_sched.get_last_lr()[0]
+        if update_actor:
+            actor_sched.step()
+        if critic is not None:
+            critic_sched.step()
+
+        # ---- 8. sync rollout weights: the next batch must come from the updated policy
+        if update_actor:
+            with timed(times, "time/sync_s"):
+                rollout.sync_weights(policy)
+
+        # ---- 9. log: means over this process's batch, then over processes
+        mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+        metrics.update({
+            "score/mean": scores.mean().item(), "score/max": scores.max().item(), "score/min": scores.min().item(),
+            "reward/mean": token_rewards.sum(1).mean().item(),
+            "response/length_mean": lengths.float().mean().item(),
+            "response/clip_ratio": truncated.float().mean().item(),
+            "policy/entropy": mean(stats["entropy"]), "policy/clipfrac": mean(stats["clipfrac"]),
+            "policy/approx_kl": mean(stats["approx_kl"]), "loss/policy": mean(stats["pg_loss"]),
+            "kl/coef": beta,
+        })
+        if stats["kl"]:
+            metrics["kl/mean"] = mean(stats["kl"])
+        if stats["grad_norm"]:
+            metrics["actor/grad_norm"] = mean(stats["grad_norm"])
+        if stats["lp_diff"]:
+            metrics.update({"rollout/logprob_diff_mean": mean(stats["lp_diff"]),
+                            "rollout/logprob_diff_max": max(stats["lp_diff_max"]),
+                            "rollout/ratio_mean": mean(stats["ratio"]), "rollout/is_weight_mean": mean(stats["is_weight"])})
+        if critic is not None:
+            metrics.update({"loss/value": mean(stats["vf_loss"]), "value/clipfrac": mean(stats["vf_clipfrac"]),
+                            "value/mean": masked_mean(batch["values"], response_mask).item(),
+                            "value/explained_var": explained_variance(batch["values"], batch["returns"], response_mask)})
+            if stats["critic_grad_norm"]:
+                metrics["critic/grad_norm"] = mean(stats["critic_grad_norm"])
+        metrics = {k: v for k, v in zip(metrics, accelerator.reduce(
+            torch.tensor(list(metrics.values()), device=device, dtype=torch.float64), "mean").tolist())}
+        if "rollout/logprob_diff_max" in metrics:  # a max over processes, not a mean
+            metrics["rollout/logprob_diff_max"] = accelerator.reduce(
+                torch.tensor(max(stats["lp_diff_max"]), device=device), "max").item()
+        tokens = accelerator.reduce(torch.tensor(float(query_mask.sum() + lengths.sum()), device=device), "sum").item()
+        times["time/step_s"] = time.perf_counter() - t0
+        metrics.update(times)
+        metrics["perf/tokens_per_s"] = tokens / times["time/step_s"]
+        metrics["train/skipped_steps"] = state.skipped
+        state.step = step
+
+        if val_rows and ((t.test_freq and step % t.test_freq == 0) or step == t.total_steps):
+            metrics.update(validate(cfg, rollout, tokenizer, reward_fn, rm_scorer, val_rows, accelerator))
+        logger.log(metrics, step)
+        bar.set_postfix(score=f"{metrics['score/mean']:.3f}", kl=f"{metrics.get('kl/mean', 0):.4f}")
+        keys = ["score/mean", "reward/mean", "kl/mean", "policy/entropy", "policy/clipfrac", "loss/policy",
+                "loss/value", "value/explained_var", "response/length_mean", "val/score/mean", "time/step_s"]
+        print0(f"step {step}  " + console_line(metrics, keys))
+        if t.sample_freq and step % t.sample_freq == 0:
+            shown = list(range(0, B, max(1, B // t.num_samples_to_show)))[:t.num_samples_to_show]
+            print0(sample_table([(rows[i]["prompt_text"][-40:], texts[i], scores[i].item()) for i in shown]))
+
+        # ---- guards: a run that drifts too far from the reference, or collapses, stops with a checkpoint
+        if t.max_kl and metrics.get("kl/mean", 0.0) > t.max_kl:
+            stop_reason = f"kl/mean {metrics['kl/mean']:.4f} > trainer.max_kl {t.max_kl}"
+        if t.min_entropy and metrics["policy/entropy"] < t.min_entropy:
+            message = f"policy/entropy {metrics['policy/entropy']:.4f} < trainer.min_entropy {t.min_entropy}"
+            if t.min_entropy_action == "stop":
+                stop_reason = message
+            else:
+                print0("warning: " + message)
+
+        # ---- 10. checkpoint
+        if (t.save_freq and step % t.save_freq == 0) or step == t.total_steps or stop_reason:
+            save_checkpoint(accelerator, t.output_dir, step, t.keep_checkpoints)
+        if stop_reason:
+            print0(f"stopping at step {step}: {stop_reason} (checkpoint saved)")
+            break
+
+    # ---- the policy in HF format, and curves for people who would rather look than read
+    final = os.path.join(t.output_dir, "final")
+    state_dict = accelerator.get_state_dict(policy)
+    if accelerator.is_main_process:
+        save_pretrained_atomic(unwrapped, tokenizer, final, state_dict)
+        print0(f"policy saved to {final}" + (f"; merge the adapter with: python merge_lora.py {final} "
+                                             f"{t.output_dir}/merged" if cfg.model.lora_rank else ""))
+        if t.plot_curves and os.path.exists(logger.path):
+            plot_curves(logger.path, os.path.join(t.output_dir, "curves.png"),
+                        ["score/mean", "kl/mean", "policy/entropy", "loss/value", "val/score/mean"])
+    logger.close()
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return stop_reason
+
+
+if __name__ == "__main__":
+    try:
+        cfg = config.parse_args(sys.argv[1:], __doc__)
+    except config.ConfigError as e:
+        sys.exit(f"ppo.py: {e}")
+    main(cfg)
