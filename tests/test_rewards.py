@@ -1,0 +1,164 @@
+"""rewards.py: the built-in rules by hand cases, dispatch, custom functions, and score_responses."""
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import rewards  # noqa: E402
+from rewards import arithmetic_score, default_compute_score, gsm8k_score, last_boxed, math_score  # noqa: E402
+
+
+# ---- GSM8K
+
+
+def test_gsm8k_strict_reads_the_last_marked_answer():
+    """strict: only "#### n" counts (commas and $ stripped, compared as numbers); the last marker wins."""
+    assert gsm8k_score("so 3 + 4 = 7\n#### 7", "7") == 1.0
+    assert gsm8k_score("#### $1,234", "1234") == 1.0
+    assert gsm8k_score("#### 72.0", "72") == 1.0
+    assert gsm8k_score("#### 5\n#### -3", "-3") == 1.0
+    assert gsm8k_score("#### 8", "7") == 0.0
+    assert gsm8k_score("the answer is 7", "7") == 0.0
+
+
+def test_gsm8k_flexible_falls_back_to_the_last_number():
+    """strict=False: without a marker the last number in the text is the answer."""
+    assert gsm8k_score("3 + 4 gives 7.", "7", strict=False) == 1.0
+    assert gsm8k_score("it is 1,000 apples", "1000", strict=False) == 1.0
+    assert gsm8k_score("7 or maybe 8", "7", strict=False) == 0.0
+    assert gsm8k_score("no numbers here", "7", strict=False) == 0.0
+
+
+def test_gsm8k_format_score_is_given_to_a_wrong_but_marked_answer():
+    """format_score rewards a found-but-wrong answer; no answer at all still scores 0."""
+    assert gsm8k_score("#### 8", "7", format_score=0.1) == 0.1
+    assert gsm8k_score("eight", "7", format_score=0.1) == 0.0
+
+
+# ---- MATH
+
+
+def test_last_boxed_balances_nested_braces():
+    """The content of the last \\boxed{…} is read with balanced braces; a cut-off box gives None."""
+    assert last_boxed(r"first \boxed{1} then \boxed{\frac{1}{2}} done") == r"\frac{1}{2}"
+    assert last_boxed(r"\boxed{\sqrt{\frac{a}{b}}}") == r"\sqrt{\frac{a}{b}}"
+    assert last_boxed(r"$\boxed 5$") == "5"
+    assert last_boxed(r"\boxed{\frac{1}{2") is None
+    assert last_boxed("no box") is None
+
+
+def test_math_score_normalises_lightly():
+    """Spaces, \\left/\\right, \\!, a trailing '.', and dfrac are ignored; ground truth may itself be boxed."""
+    assert math_score(r"so \boxed{\dfrac{1}{2}}.", r"\frac{1}{2}") == 1.0
+    assert math_score(r"\boxed{\left( 1, 2 \right)}", "(1,2)") == 1.0
+    assert math_score(r"\boxed{10\!000.}", r"\boxed{10000}") == 1.0
+    assert math_score(r"\boxed{3}", "4") == 0.0
+    assert math_score("3", "3") == 0.0  # no box, no score
+
+
+# ---- arithmetic
+
+
+@pytest.mark.parametrize("response, score", [
+    ("8", 1.0), (" 8. ", 1.0), ("\n8\n", 1.0),
+    ("8\n8", 0.0), ("The answer is 8", 0.0), ("80", 0.0), ("8..", 0.0), ("3 + 5 = 8", 0.0), ("8!", 0.0), ("", 0.0),
+])
+def test_arithmetic_is_strict(response, score):
+    """Only the bare integer (optionally with one '.') equal to the ground truth scores 1."""
+    assert arithmetic_score(response, "8") == score
+
+
+def test_arithmetic_negative_numbers():
+    """A negative answer is read with its sign."""
+    assert arithmetic_score("-3", "-3") == 1.0 and arithmetic_score("3", "-3") == 0.0
+
+
+# ---- dispatch and custom functions
+
+
+def test_default_dispatches_by_data_source():
+    """Each built-in data_source name reaches its rule."""
+    assert default_compute_score("openai/gsm8k", "#### 7", "7") == 1.0
+    assert default_compute_score("gsm8k", "7", "7") == 0.0  # strict by default, as verl
+    assert default_compute_score("HuggingFaceH4/MATH-500", r"\boxed{7}", "7") == 1.0
+    assert default_compute_score("arithmetic", "7", "7", {"index": 0}) == 1.0
+
+
+def test_unknown_data_source_names_it_and_the_fix():
+    """An unknown data_source names itself, the known ones, and reward.function=path/to/file.py:name."""
+    with pytest.raises(ValueError) as e:
+        default_compute_score("my/data", "7", "7")
+    msg = str(e.value)
+    assert "'my/data'" in msg and "'openai/gsm8k'" in msg and "'arithmetic'" in msg
+    assert "reward.function=path/to/file.py:name" in msg
+
+
+VERL_STYLE = '''
+import re
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": float(solution_str.strip() == ground_truth), "length": len(solution_str)}
+
+def other(data_source, solution_str, ground_truth, extra_info=None):
+    return 0.5
+'''
+
+
+def test_load_reward_function_from_a_file(tmp_path):
+    """None gives the built-ins; path.py:name (or path.py, meaning compute_score) gives that function."""
+    path = tmp_path / "my_reward.py"
+    path.write_text(VERL_STYLE)
+    assert rewards.load_reward_function(None) is default_compute_score
+    assert rewards.load_reward_function(f"{path}:other")("x", "y", "z") == 0.5
+    assert rewards.load_reward_function(str(path))("x", "7 ", "7") == {"score": 1.0, "length": 2}
+
+
+def test_load_reward_function_errors_name_the_file_and_the_function(tmp_path):
+    """A missing file or a missing function is named, with the functions the file does define."""
+    with pytest.raises(ValueError, match=r"file .*nope.py does not exist"):
+        rewards.load_reward_function(f"{tmp_path}/nope.py:f")
+    path = tmp_path / "my_reward.py"
+    path.write_text(VERL_STYLE)
+    with pytest.raises(ValueError, match=r"has no function `missing`; callables found there: \['compute_score', 'other'\]"):
+        rewards.load_reward_function(f"{path}:missing")
+    bad = tmp_path / "broken.py"
+    bad.write_text("import not_a_module_xyz\n")
+    with pytest.raises(ValueError, match=r"importing .*broken.py failed: ModuleNotFoundError"):
+        rewards.load_reward_function(f"{bad}:f")
+
+
+# ---- score_responses
+
+ROWS = [{"data_source": "arithmetic", "ground_truth": str(g), "extra_info": {"index": i}} for i, g in enumerate([3, 4, 5])]
+
+
+def test_score_responses_with_the_built_ins():
+    """Float results are the scores; no extras, no errors."""
+    assert rewards.score_responses(default_compute_score, ROWS, ["3", "four", "5."]) == ([1.0, 0.0, 1.0], {}, 0)
+
+
+def test_score_responses_collects_numeric_dict_keys():
+    """A dict result gives its "score"; its other numeric keys are gathered per key, non-numbers ignored."""
+    def fn(data_source, solution_str, ground_truth, extra_info=None):
+        return {"score": 1.0, "acc": True, "length": len(solution_str), "pred": solution_str}
+    scores, extras, errors = rewards.score_responses(fn, ROWS, ["a", "bb", "ccc"])
+    assert scores == [1.0, 1.0, 1.0] and extras == {"acc": [1.0, 1.0, 1.0], "length": [1.0, 2.0, 3.0]} and errors == 0
+
+
+def test_score_responses_counts_a_raising_function_and_carries_on():
+    """A call that raises (or returns a dict without "score") scores 0.0 and is counted; the rest still score."""
+    def fn(data_source, solution_str, ground_truth, extra_info=None):
+        if solution_str == "boom":
+            raise RuntimeError("bad parse")
+        return {"acc": 1.0} if solution_str == "nodict" else 1
+    with pytest.warns(UserWarning, match=r"failed on 2/3 samples .*RuntimeError: bad parse"):
+        scores, extras, errors = rewards.score_responses(fn, ROWS, ["boom", "ok", "nodict"])
+    assert scores == [0.0, 1.0, 0.0] and errors == 2 and extras == {}
+
+
+def test_score_responses_passes_verl_arguments_in_order():
+    """compute_score gets (data_source, response, ground_truth, extra_info) for each sample."""
+    seen = []
+    rewards.score_responses(lambda *args: seen.append(args) or 0.0, ROWS[:2], ["x", "y"])
+    assert seen == [("arithmetic", "x", "3", {"index": 0}), ("arithmetic", "y", "4", {"index": 1})]
