@@ -1,0 +1,353 @@
+"""Datasets as parquet files: RL prompts, preference pairs, and the embedded arithmetic demo.
+
+    python data.py --task arithmetic --output data/arithmetic                 # the PPO demo
+    python data.py --task arithmetic-preferences --output data/preferences    # the reward-model demo
+    python data.py --input gsm8k_train.jsonl --output data/gsm8k --val-fraction 0.05 --seed 0
+
+`--output` is always a folder: train.parquet and val.parquet are written inside it.
+`--input` converts a jsonl file; the kind of row is detected from the first line's keys:
+  ours        prompt (string or chat messages) [+ ground_truth, data_source, extra_info] → RL parquet
+  GSM8K       question, answer ending in "#### <n>" → RL parquet, prompted as verl does
+  preference  prompt, chosen, rejected [+ margin] → preference parquet
+  HH-RLHF     chosen, rejected (full "\\n\\nHuman: … \\n\\nAssistant: …" texts) → preference parquet;
+              the shared text up to and including the last "\\n\\nAssistant:" becomes `prompt`
+              (kept as text), the final replies become chosen/rejected, so prompt + chosen is the
+              original text.
+
+RL parquet layouts read by `load_rl_dataset`: ours (above), or verl's unchanged (prompt as chat
+messages, reward_model.ground_truth, data_source, extra_info, ability).
+"""
+import argparse
+import json
+import os
+import random
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'  # verl's wording
+ARITHMETIC_PROMPT = "What is {a} + {b}? Reply with only the number."
+ARITHMETIC_TWO_DIGIT_FRACTION = 0.5  # share of questions with a two-digit operand, chosen by measurement
+HH_ASSISTANT = "\n\nAssistant:"
+
+
+class DataError(ValueError):
+    """A dataset that cannot be used as given; the message names the file, the row and the fix."""
+
+
+# ---- reading
+
+
+def read_parquet(path: str) -> pa.Table:
+    """The table at `path`, or a DataError saying the file is missing or not parquet."""
+    if not os.path.isfile(path):
+        raise DataError(f"data file {path} does not exist; write one with `python data.py --task arithmetic "
+                        f"--output data/arithmetic` or convert jsonl with `python data.py --input x.jsonl --output DIR`")
+    try:
+        return pq.read_table(path)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise DataError(f"data file {path} is not a readable parquet file: {e}") from None
+
+
+def require_columns(table: pa.Table, path: str, names: list[str]) -> None:
+    """Raise a DataError naming the first missing column and listing the columns found."""
+    for name in names:
+        if name not in table.column_names:
+            raise DataError(f"{path}: missing column `{name}`; found columns {table.column_names}")
+    if table.num_rows == 0:
+        raise DataError(f"{path}: the file has 0 rows")
+
+
+def is_messages(prompt) -> bool:
+    """True for a chat: a non-empty list of {"role": str, "content": str} dicts."""
+    return (isinstance(prompt, list) and len(prompt) > 0 and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt))
+
+
+def ground_truth_of(row: dict):
+    """Ours: row["ground_truth"]; verl's: row["reward_model"]["ground_truth"]. Numbers become strings."""
+    gt = row.get("ground_truth")
+    if gt is None and isinstance(row.get("reward_model"), dict):
+        gt = row["reward_model"].get("ground_truth")
+    if isinstance(gt, float) and gt.is_integer():
+        gt = int(gt)  # a column with nulls is stored as float: 72.0 must still read "72"
+    if isinstance(gt, (int, float)) and not isinstance(gt, bool):
+        gt = str(gt)
+    return gt
+
+
+def render_prompt(prompt, tokenizer) -> str:
+    """Chat messages go through the chat template; a string is one user message when there is a template."""
+    if isinstance(prompt, str):
+        if tokenizer.chat_template is None:
+            return prompt
+        prompt = [{"role": "user", "content": prompt}]
+    return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+
+
+def tokenize_prompts(texts: list[str], tokenizer) -> list[list[int]]:
+    """Token ids of rendered prompts, with exactly the special tokens the template wrote.
+
+    Templated text already holds its BOS (if any), so the tokenizer must add none; raw text gets the
+    tokenizer's usual special tokens. A doubled leading BOS (text that began with the BOS string) is
+    collapsed to one: it is never what the model saw in training.
+    """
+    templated = tokenizer.chat_template is not None
+    ids = tokenizer(texts, add_special_tokens=not templated)["input_ids"]
+    bos = tokenizer.bos_token_id
+    return [x[1:] if bos is not None and len(x) > 1 and x[0] == x[1] == bos else x for x in ids]
+
+
+def load_rl_dataset(path: str, tokenizer, max_prompt_length: int, truncation: str) -> tuple[list[dict], dict]:
+    """Read RL prompts (ours or verl's layout) and tokenize them; returns (rows, stats).
+
+    rows: {"prompt_ids", "prompt_text", "ground_truth", "data_source", "extra_info"};
+    stats: {"rows": read, "kept": returned, "truncated": left-truncated, "filtered": dropped as too long}.
+    truncation: "error" raises on a prompt longer than max_prompt_length tokens, "left" keeps its last
+    max_prompt_length tokens (prompt_text is then the decoded kept tokens), "filter" drops the row.
+    """
+    if truncation not in ("error", "left", "filter"):
+        raise DataError(f"data.truncation must be error, left or filter, got {truncation!r}")
+    table = read_parquet(path)
+    require_columns(table, path, ["prompt"])
+    raw = table.to_pylist()
+    for i, row in enumerate(raw):
+        p = row["prompt"]
+        if not (isinstance(p, str) or is_messages(p)):
+            raise DataError(f"{path} row {i}: `prompt` must be a string or a list of {{role, content}} messages, "
+                            f"got {type(p).__name__} {str(p)[:80]!r}")
+        if not isinstance(p, str) and tokenizer.chat_template is None:
+            raise DataError(f"{path} row {i}: the prompt is a list of chat messages but the tokenizer has no "
+                            f"chat_template; use a tokenizer with one (model.tokenizer_path) or store prompts as text")
+    texts = [render_prompt(row["prompt"], tokenizer) for row in raw]
+    rows, truncated, filtered = [], 0, 0
+    for i, (row, text, ids) in enumerate(zip(raw, texts, tokenize_prompts(texts, tokenizer))):
+        if len(ids) > max_prompt_length:
+            if truncation == "error":
+                raise DataError(f"{path} row {i}: the prompt is {len(ids)} tokens, more than data.max_prompt_length="
+                                f"{max_prompt_length}; raise data.max_prompt_length, or set data.truncation=left "
+                                f"(keep the last tokens) or data.truncation=filter (drop such rows)")
+            if truncation == "filter":
+                filtered += 1
+                continue
+            ids, truncated = ids[-max_prompt_length:], truncated + 1
+            text = tokenizer.decode(ids, skip_special_tokens=False)
+        rows.append({"prompt_ids": ids, "prompt_text": text, "ground_truth": ground_truth_of(row),
+                     "data_source": row.get("data_source") or "unknown", "extra_info": row.get("extra_info") or {}})
+    if not rows:
+        raise DataError(f"{path}: all {len(raw)} prompts are longer than data.max_prompt_length={max_prompt_length} "
+                        f"and were filtered; raise data.max_prompt_length")
+    return rows, {"rows": len(raw), "kept": len(rows), "truncated": truncated, "filtered": filtered}
+
+
+def load_preferences(path: str) -> tuple[list[dict], dict]:
+    """Read preference pairs for the reward-model stage; returns (rows, stats).
+
+    Columns: prompt, chosen, rejected (strings), optional margin (float). chosen/rejected are the
+    *responses only*: the caller prepends the prompt. When prompt is the empty string, chosen and
+    rejected are whole conversations (HH-RLHF style) and are used as they are.
+    Rows whose chosen == rejected teach nothing and are dropped.
+    rows: {"prompt", "chosen", "rejected", "margin" (0.0 when absent)};
+    stats: {"rows": read, "kept": returned, "identical_dropped": dropped}.
+    """
+    table = read_parquet(path)
+    require_columns(table, path, ["prompt", "chosen", "rejected"])
+    rows, identical = [], 0
+    for i, row in enumerate(table.to_pylist()):
+        for key in ("prompt", "chosen", "rejected"):
+            if not isinstance(row[key], str):
+                raise DataError(f"{path} row {i}: `{key}` must be a string, got {type(row[key]).__name__}")
+        if row["chosen"] == row["rejected"]:
+            identical += 1
+            continue
+        margin = row.get("margin")
+        rows.append({"prompt": row["prompt"], "chosen": row["chosen"], "rejected": row["rejected"],
+                     "margin": 0.0 if margin is None else float(margin)})
+    if not rows:
+        raise DataError(f"{path}: all {identical} pairs have chosen == rejected; nothing to learn from")
+    return rows, {"rows": table.num_rows, "kept": len(rows), "identical_dropped": identical}
+
+
+# ---- writing
+
+
+def write_parquet(rows: list[dict], path: str) -> None:
+    """Write rows to `path` atomically: a temporary name first, then os.replace. A key missing from some
+    rows is null there (pa.Table.from_pylist alone would keep only the first row's keys)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    keys = dict.fromkeys(k for row in rows for k in row)
+    try:
+        table = pa.Table.from_pylist([{k: row.get(k) for k in keys} for row in rows])
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+        raise DataError(f"cannot write {path}: a column holds values of different types ({e})") from None
+    tmp = f"{path}.tmp{os.getpid()}"
+    pq.write_table(table, tmp)
+    os.replace(tmp, path)
+
+
+def split_rows(rows: list[dict], val_fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
+    """Shuffle with `seed` and hold out round(n·val_fraction) rows (at least 1 when the fraction is > 0)."""
+    if not 0.0 <= val_fraction < 1.0:
+        raise DataError(f"--val-fraction must be in [0, 1), got {val_fraction}")
+    rows = list(rows)
+    random.Random(seed).shuffle(rows)
+    n_val = 0 if val_fraction == 0 else max(1, round(len(rows) * val_fraction))
+    return rows[n_val:], rows[:n_val]
+
+
+# ---- the embedded demo: one- and two-digit addition
+
+
+def arithmetic_question(rng: random.Random) -> tuple[int, int]:
+    """Two operands: both one-digit, or (with ARITHMETIC_TWO_DIGIT_FRACTION) one of them two-digit."""
+    a, b = rng.randint(0, 9), rng.randint(0, 9)
+    if rng.random() < ARITHMETIC_TWO_DIGIT_FRACTION:
+        a = rng.randint(10, 99)
+        if rng.random() < 0.5:
+            a, b = b, a
+    return a, b
+
+
+def make_arithmetic(n: int, seed: int) -> list[dict]:
+    """n addition prompts in our RL layout; the strict `arithmetic` reward wants only the number."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        a, b = arithmetic_question(rng)
+        rows.append({"prompt": ARITHMETIC_PROMPT.format(a=a, b=b), "ground_truth": str(a + b),
+                     "data_source": "arithmetic", "extra_info": {"index": i, "a": a, "b": b}})
+    return rows
+
+
+def make_arithmetic_preferences(n: int, seed: int) -> list[dict]:
+    """n pairs: chosen is the bare correct answer; rejected is a near-miss number (2/3) or the right
+    number in a form the strict reward refuses (1/3), so the reward model learns what the rule scores."""
+    rng, wrong_rng = random.Random(seed), random.Random(f"rejected-{seed}")  # same questions as make_arithmetic
+    rows = []
+    for _ in range(n):
+        a, b = arithmetic_question(rng)
+        c = a + b
+        if wrong_rng.random() < 2 / 3:
+            wrong = c + wrong_rng.choice([d for d in (-3, -2, -1, 1, 2, 3) if c + d >= 0])
+            rejected = str(wrong)
+        else:
+            rejected = wrong_rng.choice([f"The answer is {c}.", f"{a} + {b} = {c}", f"{c}\n{c}"])
+        rows.append({"prompt": ARITHMETIC_PROMPT.format(a=a, b=b), "chosen": str(c), "rejected": rejected})
+    return rows
+
+
+# ---- converting jsonl
+
+
+def split_hh(chosen: str, rejected: str) -> tuple[str, str, str]:
+    """(prompt, chosen reply, rejected reply): the shared text up to its last "\\n\\nAssistant:" is the prompt."""
+    shared = os.path.commonprefix([chosen, rejected])
+    cut = shared.rfind(HH_ASSISTANT)
+    if cut < 0:
+        raise ValueError('the two texts share no "\\n\\nAssistant:" turn')
+    cut += len(HH_ASSISTANT)
+    if "\n\nHuman:" in chosen[cut:] or "\n\nHuman:" in rejected[cut:]:
+        raise ValueError("chosen and rejected differ before their final assistant reply")
+    return chosen[:cut], chosen[cut:], rejected[cut:]
+
+
+def row_kind(keys) -> str:
+    """rl | gsm8k | preference | hh, from the keys of a jsonl row."""
+    keys = set(keys)
+    if {"prompt", "chosen", "rejected"} <= keys:
+        return "preference"
+    if {"chosen", "rejected"} <= keys:
+        return "hh"
+    if {"question", "answer"} <= keys:
+        return "gsm8k"
+    if "prompt" in keys:
+        return "rl"
+    raise ValueError(f"cannot tell the kind of row from its keys {sorted(keys)}; expected prompt[, ground_truth, "
+                     f"data_source] | question, answer (GSM8K) | prompt, chosen, rejected | chosen, rejected (HH-RLHF)")
+
+
+def convert_row(row: dict, kind: str, index: int) -> dict:
+    """One jsonl row as a parquet row of its kind; raises ValueError saying what is wrong."""
+    if row_kind(row.keys()) != kind:
+        raise ValueError(f"this row is {row_kind(row.keys())} but the file's first row is {kind}")
+    if kind == "gsm8k":
+        answer = str(row["answer"])
+        if "####" not in answer:
+            raise ValueError('the GSM8K `answer` has no "#### <number>" line')
+        gt = answer.split("####")[-1].strip().replace(",", "").replace("$", "")
+        return {"prompt": f"{row['question']} {GSM8K_INSTRUCTION}", "ground_truth": gt, "data_source": "openai/gsm8k",
+                "extra_info": {"index": index, "question": row["question"], "answer": answer}}
+    if kind == "hh":
+        prompt, chosen, rejected = split_hh(str(row["chosen"]), str(row["rejected"]))
+        return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+    if kind == "preference":
+        out = {k: row[k] for k in ("prompt", "chosen", "rejected")}
+        if not all(isinstance(v, str) for v in out.values()):
+            raise ValueError("prompt, chosen and rejected must be strings")
+        return {**out, "margin": float(row["margin"])} if row.get("margin") is not None else out
+    if not (isinstance(row["prompt"], str) or is_messages(row["prompt"])):
+        raise ValueError("`prompt` must be a string or a list of {role, content} messages")
+    if not isinstance(row.get("extra_info") or {}, dict):
+        raise ValueError("`extra_info` must be an object")
+    return {"prompt": row["prompt"], "ground_truth": ground_truth_of(row),
+            "data_source": row.get("data_source") or "unknown", "extra_info": {"index": index, **(row.get("extra_info") or {})}}
+
+
+def convert_jsonl(path: str) -> list[dict]:
+    """Every line of a jsonl file converted by the kind of its first row; a bad line raises naming it."""
+    rows, kind = [], None
+    with open(path) as f:
+        for n, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                if not isinstance(row, dict):
+                    raise ValueError("a line must hold one JSON object")
+                kind = kind or row_kind(row.keys())
+                rows.append(convert_row(row, kind, len(rows)))
+            except ValueError as e:  # json.JSONDecodeError is a ValueError
+                raise DataError(f"{path} line {n}: {e}") from None
+    if not rows:
+        raise DataError(f"{path}: no rows")
+    return rows
+
+
+def write_split(train: list[dict], val: list[dict], folder: str) -> None:
+    """Write folder/train.parquet and folder/val.parquet (skipped when val is empty) and say so."""
+    for name, rows in (("train", train), ("val", val)):
+        if rows:
+            path = os.path.join(folder, f"{name}.parquet")
+            write_parquet(rows, path)
+            print(f"wrote {path} ({len(rows)} rows)")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--input", help="jsonl file to convert (kind detected from its rows)")
+    parser.add_argument("--task", choices=["arithmetic", "arithmetic-preferences"], help="generate the demo data")
+    parser.add_argument("--output", required=True, help="folder for train.parquet and val.parquet")
+    parser.add_argument("--val-fraction", type=float, default=0.05, help="share of --input rows held out as val")
+    parser.add_argument("--train-size", type=int, default=2000, help="--task rows in train.parquet")
+    parser.add_argument("--val-size", type=int, default=200, help="--task rows in val.parquet")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if (args.input is None) == (args.task is None):
+        parser.error("give exactly one of --input or --task")
+    if args.output.endswith(".parquet"):
+        parser.error(f"--output is a folder (train.parquet and val.parquet go inside), got {args.output}")
+    try:
+        if args.task:
+            make = make_arithmetic if args.task == "arithmetic" else make_arithmetic_preferences
+            rows = make(args.train_size + args.val_size, args.seed)
+            write_split(rows[:args.train_size], rows[args.train_size:], args.output)
+        else:
+            if not os.path.isfile(args.input):
+                raise DataError(f"input file {args.input} does not exist")
+            write_split(*split_rows(convert_jsonl(args.input), args.val_fraction, args.seed), args.output)
+    except DataError as e:
+        raise SystemExit(f"data.py: {e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,304 @@
+"""data.py: parquet layouts, prompt rendering, truncation, errors, the CLI and the demo generators."""
+import json
+import os
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import data  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TEMPLATE = ("<s>{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def tiny_tokenizer(chat_template=TEMPLATE):
+    """A word-level tokenizer that, like Llama's, adds <s> to raw text; its template writes <s> itself."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<s>", "</s>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>"]
+    words = "what is 1 2 3 4 5 6 7 8 9 + ? reply with only the number hello be brief".split()
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(specials + words)}, unk_token="<unk>"))
+    tk.normalizer = normalizers.Lowercase()
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tk.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                  pad_token="</s>", additional_special_tokens=specials[3:])
+    tok.chat_template = chat_template
+    return tok
+
+
+def write(tmp_path, name, rows):
+    path = str(tmp_path / name)
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+OURS = [{"prompt": "What is 1 + 2 ?", "ground_truth": "3", "data_source": "arithmetic", "extra_info": {"index": 0}},
+        {"prompt": "What is 4 + 5 ?", "ground_truth": "9", "data_source": "arithmetic", "extra_info": {"index": 1}}]
+VERL = [{"data_source": r["data_source"], "prompt": [{"role": "user", "content": r["prompt"]}], "ability": "math",
+         "reward_model": {"style": "rule", "ground_truth": r["ground_truth"]}, "extra_info": r["extra_info"]}
+        for r in OURS]
+
+
+# ---- load_rl_dataset
+
+
+def test_ours_and_verl_layouts_load_the_same_rows(tmp_path):
+    """A string prompt with ground_truth and verl's messages with reward_model.ground_truth give equal rows."""
+    tok = tiny_tokenizer()
+    ours, stats = data.load_rl_dataset(write(tmp_path, "ours.parquet", OURS), tok, 64, "error")
+    verl, _ = data.load_rl_dataset(write(tmp_path, "verl.parquet", VERL), tok, 64, "error")
+    assert ours == verl
+    assert [r["ground_truth"] for r in ours] == ["3", "9"] and ours[0]["extra_info"] == {"index": 0}
+    assert stats == {"rows": 2, "kept": 2, "truncated": 0, "filtered": 0}
+
+
+def test_chat_template_is_applied_once_without_a_double_bos(tmp_path):
+    """The rendered prompt is the template's text; its ids start with one <s> (the template's), not two."""
+    rows, _ = data.load_rl_dataset(write(tmp_path, "d.parquet", OURS), tiny_tokenizer(), 64, "error")
+    assert rows[0]["prompt_text"] == "<s><|user|> What is 1 + 2 ? <|assistant|>"
+    ids = rows[0]["prompt_ids"]
+    assert ids[0] == 0 and ids[1] != 0 and ids.count(0) == 1
+
+
+def test_without_a_template_a_string_prompt_is_raw_text_with_the_tokenizers_bos(tmp_path):
+    """No chat_template: the prompt text is used as is and tokenized with the tokenizer's own BOS."""
+    tok = tiny_tokenizer(chat_template=None)
+    rows, _ = data.load_rl_dataset(write(tmp_path, "d.parquet", OURS), tok, 64, "error")
+    assert rows[0]["prompt_text"] == "What is 1 + 2 ?"
+    assert rows[0]["prompt_ids"] == tok("What is 1 + 2 ?")["input_ids"] and rows[0]["prompt_ids"][0] == 0
+
+
+def test_defaults_and_numeric_ground_truth(tmp_path):
+    """Without data_source/extra_info the row gets "unknown"/{}; a numeric ground_truth becomes a string."""
+    path = write(tmp_path, "d.parquet", [{"prompt": "hello", "ground_truth": 72}, {"prompt": "hello", "ground_truth": None}])
+    rows, _ = data.load_rl_dataset(path, tiny_tokenizer(), 64, "error")
+    assert [(r["ground_truth"], r["data_source"], r["extra_info"]) for r in rows] == [("72", "unknown", {}), (None, "unknown", {})]
+
+
+LONG = [{"prompt": "hello"}, {"prompt": " ".join(["hello"] * 20)}, {"prompt": "be brief"}]
+
+
+def test_truncation_error_names_file_row_length_and_fix(tmp_path):
+    """truncation=error: the message names the file, the row, its length and the two settings that fix it."""
+    path = write(tmp_path, "long.parquet", LONG)
+    with pytest.raises(data.DataError) as e:
+        data.load_rl_dataset(path, tiny_tokenizer(), 10, "error")
+    msg = str(e.value)
+    assert path in msg and "row 1" in msg and "23 tokens" in msg  # <s> <|user|> 20×hello <|assistant|>
+    assert "data.max_prompt_length" in msg and "data.truncation=left" in msg and "data.truncation=filter" in msg
+
+
+def test_truncation_left_keeps_the_last_tokens_and_counts(tmp_path):
+    """truncation=left keeps the last max_prompt_length tokens (the generation prompt survives) and counts the row."""
+    tok = tiny_tokenizer()
+    rows, stats = data.load_rl_dataset(write(tmp_path, "long.parquet", LONG), tok, 10, "left")
+    full = tok(data.render_prompt(LONG[1]["prompt"], tok), add_special_tokens=False)["input_ids"]
+    assert rows[1]["prompt_ids"] == full[-10:] and rows[1]["prompt_text"].endswith("<|assistant|>")
+    assert stats == {"rows": 3, "kept": 3, "truncated": 1, "filtered": 0}
+
+
+def test_truncation_filter_drops_and_counts(tmp_path):
+    """truncation=filter drops over-long rows and counts them; nothing left is an error."""
+    rows, stats = data.load_rl_dataset(write(tmp_path, "long.parquet", LONG), tiny_tokenizer(), 10, "filter")
+    assert len(rows) == 2 and stats == {"rows": 3, "kept": 2, "truncated": 0, "filtered": 1}
+    with pytest.raises(data.DataError, match="filtered; raise data.max_prompt_length"):
+        data.load_rl_dataset(write(tmp_path, "long.parquet", LONG), tiny_tokenizer(), 2, "filter")
+
+
+def test_error_missing_file(tmp_path):
+    """A missing file is named, with the command that writes the demo data."""
+    with pytest.raises(data.DataError, match=r"data file .*nope.parquet does not exist.*python data.py --task"):
+        data.load_rl_dataset(str(tmp_path / "nope.parquet"), tiny_tokenizer(), 64, "error")
+
+
+def test_error_missing_prompt_column_lists_the_columns(tmp_path):
+    """Without `prompt` the message lists the columns the file has."""
+    path = write(tmp_path, "d.parquet", [{"question": "hi", "answer": "1"}])
+    with pytest.raises(data.DataError, match=r"missing column `prompt`; found columns \['question', 'answer'\]"):
+        data.load_rl_dataset(path, tiny_tokenizer(), 64, "error")
+
+
+def test_error_empty_file(tmp_path):
+    """A file with 0 rows is an error naming the file."""
+    path = str(tmp_path / "empty.parquet")
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), path)
+    with pytest.raises(data.DataError, match=r"empty.parquet: the file has 0 rows"):
+        data.load_rl_dataset(path, tiny_tokenizer(), 64, "error")
+
+
+def test_error_prompt_neither_text_nor_messages_names_the_row(tmp_path):
+    """A prompt that is a number or a list of dicts without role/content names its row."""
+    with pytest.raises(data.DataError, match=r"row 0: `prompt` must be a string or a list of \{role, content\} messages, got int"):
+        data.load_rl_dataset(write(tmp_path, "a.parquet", [{"prompt": 1}, {"prompt": 7}]), tiny_tokenizer(), 64, "error")
+    bad = [{"prompt": [{"role": "user", "content": "hi"}]}, {"prompt": [{"text": "hi"}]}]
+    with pytest.raises(data.DataError, match=r"row 1: `prompt` must be"):
+        data.load_rl_dataset(write(tmp_path, "b.parquet", bad), tiny_tokenizer(), 64, "error")
+
+
+def test_error_truncation_value():
+    """An unknown truncation mode is refused before reading anything."""
+    with pytest.raises(data.DataError, match="data.truncation must be error, left or filter"):
+        data.load_rl_dataset("x.parquet", None, 64, "right")
+
+
+# ---- load_preferences
+
+
+def test_preferences_drop_identical_pairs_and_default_margin(tmp_path):
+    """Pairs with chosen == rejected are dropped and counted; margin defaults to 0.0."""
+    path = write(tmp_path, "p.parquet", [{"prompt": "q", "chosen": "3", "rejected": "4", "margin": 1.5},
+                                         {"prompt": "q", "chosen": "3", "rejected": "3", "margin": None},
+                                         {"prompt": "", "chosen": "a", "rejected": "b", "margin": None}])
+    rows, stats = data.load_preferences(path)
+    assert rows == [{"prompt": "q", "chosen": "3", "rejected": "4", "margin": 1.5},
+                    {"prompt": "", "chosen": "a", "rejected": "b", "margin": 0.0}]
+    assert stats == {"rows": 3, "kept": 2, "identical_dropped": 1}
+
+
+def test_preferences_errors(tmp_path):
+    """Missing file, a missing column (named), and an empty file each raise a sentence saying so."""
+    with pytest.raises(data.DataError, match="does not exist"):
+        data.load_preferences(str(tmp_path / "nope.parquet"))
+    with pytest.raises(data.DataError, match="missing column `rejected`"):
+        data.load_preferences(write(tmp_path, "a.parquet", [{"prompt": "q", "chosen": "3"}]))
+    empty = str(tmp_path / "empty.parquet")
+    pq.write_table(pa.table({k: pa.array([], pa.string()) for k in ("prompt", "chosen", "rejected")}), empty)
+    with pytest.raises(data.DataError, match="0 rows"):
+        data.load_preferences(empty)
+
+
+# ---- writing and the generators
+
+
+def test_write_parquet_is_atomic_and_round_trips(tmp_path):
+    """write_parquet leaves only the final file (no temporary) and reads back the same rows."""
+    path = str(tmp_path / "sub" / "x.parquet")
+    data.write_parquet(OURS, path)
+    assert os.listdir(tmp_path / "sub") == ["x.parquet"] and pq.read_table(path).to_pylist() == OURS
+
+
+def test_write_parquet_keeps_keys_that_only_later_rows_have(tmp_path):
+    """A key absent from the first row is still written (null where missing), never silently dropped."""
+    path = str(tmp_path / "x.parquet")
+    data.write_parquet([{"prompt": "a"}, {"prompt": "b", "margin": 1.0}], path)
+    assert pq.read_table(path).to_pylist() == [{"prompt": "a", "margin": None}, {"prompt": "b", "margin": 1.0}]
+
+
+def test_split_rows_is_seeded_and_holds_out_the_fraction():
+    """split_rows holds out round(n·f) rows, partitions the input, and is reproducible with its seed."""
+    rows = [{"i": i} for i in range(100)]
+    train, val = data.split_rows(rows, 0.05, seed=0)
+    assert len(val) == 5 and sorted(r["i"] for r in train + val) == list(range(100))
+    assert (train, val) == data.split_rows(rows, 0.05, seed=0) != data.split_rows(rows, 0.05, seed=1)
+
+
+def test_generators_are_deterministic_and_correct():
+    """Same seed, same rows; ground truths are the sums; chosen is right and rejected is not what the rule scores 1."""
+    from rewards import arithmetic_score
+
+    assert data.make_arithmetic(50, 3) == data.make_arithmetic(50, 3) != data.make_arithmetic(50, 4)
+    for r in data.make_arithmetic(200, 0):
+        a, b = r["extra_info"]["a"], r["extra_info"]["b"]
+        assert r["ground_truth"] == str(a + b) and r["prompt"] == data.ARITHMETIC_PROMPT.format(a=a, b=b)
+        assert r["data_source"] == "arithmetic" and max(a, b) <= 99
+    prefs = data.make_arithmetic_preferences(200, 0)
+    assert prefs == data.make_arithmetic_preferences(200, 0)
+    gts = [r["ground_truth"] for r in data.make_arithmetic(200, 0)]
+    assert [p["chosen"] for p in prefs] == gts  # the same questions in the same order
+    assert all(arithmetic_score(p["chosen"], g) == 1.0 and arithmetic_score(p["rejected"], g) == 0.0
+               for p, g in zip(prefs, gts))
+
+
+# ---- the CLI
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "data.py", *args], cwd=REPO, capture_output=True, text=True)
+
+
+def write_jsonl(tmp_path, rows):
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def convert(tmp_path, rows, val_fraction="0.25"):
+    out = tmp_path / "out"
+    proc = run_cli("--input", write_jsonl(tmp_path, rows), "--output", str(out), "--val-fraction", val_fraction)
+    assert proc.returncode == 0, proc.stderr
+    return proc, pq.read_table(out / "train.parquet").to_pylist() + pq.read_table(out / "val.parquet").to_pylist()
+
+
+def test_cli_task_arithmetic_writes_train_and_val(tmp_path):
+    """--task arithmetic writes train/val with the asked sizes and prints the paths and counts."""
+    out = tmp_path / "arith"
+    proc = run_cli("--task", "arithmetic", "--output", str(out), "--train-size", "30", "--val-size", "6")
+    assert proc.returncode == 0, proc.stderr
+    assert f"wrote {out}/train.parquet (30 rows)" in proc.stdout and f"wrote {out}/val.parquet (6 rows)" in proc.stdout
+    assert pq.read_table(out / "train.parquet").to_pylist() == data.make_arithmetic(36, 0)[:30]
+
+
+def test_cli_task_arithmetic_preferences(tmp_path):
+    """--task arithmetic-preferences writes a preference parquet that load_preferences accepts."""
+    out = tmp_path / "prefs"
+    assert run_cli("--task", "arithmetic-preferences", "--output", str(out), "--train-size", "20").returncode == 0
+    rows, stats = data.load_preferences(str(out / "train.parquet"))
+    assert stats["rows"] == 20 and set(rows[0]) == {"prompt", "chosen", "rejected", "margin"}
+
+
+def test_cli_converts_our_jsonl(tmp_path):
+    """Our RL rows keep prompt and ground_truth (numbers as strings) and default data_source to unknown."""
+    rows = [{"prompt": f"What is {i} + 1 ?", "ground_truth": i + 1} for i in range(8)]
+    _, out = convert(tmp_path, rows)
+    assert sorted((r["prompt"], r["ground_truth"], r["data_source"]) for r in out) == \
+        sorted((r["prompt"], str(r["ground_truth"]), "unknown") for r in rows)
+
+
+def test_cli_converts_gsm8k_as_verl_does(tmp_path):
+    """GSM8K: prompt = question + verl's instruction, ground_truth = the number after #### without commas."""
+    rows = [{"question": f"Q{i}?", "answer": f"work\n#### 1,00{i}"} for i in range(4)]
+    proc, out = convert(tmp_path, rows)
+    row = next(r for r in out if r["extra_info"]["question"] == "Q2?")
+    assert row["prompt"] == 'Q2? Let\'s think step by step and output the final answer after "####".'
+    assert row["ground_truth"] == "1002" and row["data_source"] == "openai/gsm8k"
+    assert "(3 rows)" in proc.stdout and "(1 rows)" in proc.stdout
+
+
+def test_cli_converts_preferences(tmp_path):
+    """prompt/chosen/rejected rows become a preference parquet unchanged."""
+    rows = [{"prompt": f"q{i}", "chosen": "good", "rejected": "bad"} for i in range(4)]
+    _, out = convert(tmp_path, rows)
+    assert sorted(r["prompt"] for r in out) == ["q0", "q1", "q2", "q3"] and {r["chosen"] for r in out} == {"good"}
+
+
+def test_cli_splits_hh_rlhf_at_the_last_assistant_turn(tmp_path):
+    """HH-RLHF: the shared text through the last "\\n\\nAssistant:" is the prompt; prompt + chosen is the original."""
+    prefix = "\n\nHuman: hi\n\nAssistant: hello\n\nHuman: add 2 and 2\n\nAssistant:"
+    rows = [{"chosen": prefix + " 4", "rejected": prefix + " 5 I think"}] * 4
+    _, out = convert(tmp_path, rows)
+    assert out[0] == {"prompt": prefix, "chosen": " 4", "rejected": " 5 I think"}
+
+
+def test_cli_bad_rows_fail_with_the_line_number(tmp_path):
+    """A GSM8K answer without ####, a row of another kind, or invalid JSON fails naming its line."""
+    good = {"question": "q", "answer": "#### 1"}
+    for bad, reason in ([{"question": "q", "answer": "no marker"}, "no \"#### <number>\""],
+                        [{"prompt": "x"}, "the file's first row is gsm8k"]):
+        proc = run_cli("--input", write_jsonl(tmp_path, [good, bad]), "--output", str(tmp_path / "o"))
+        assert proc.returncode != 0 and "line 2:" in proc.stderr and reason in proc.stderr
+    (tmp_path / "in.jsonl").write_text(json.dumps(good) + "\n{oops\n")
+    proc = run_cli("--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "o"))
+    assert proc.returncode != 0 and "in.jsonl line 2:" in proc.stderr
+
+
+def test_cli_output_must_be_a_folder(tmp_path):
+    """--output names a folder; a .parquet path is refused with the reason."""
+    proc = run_cli("--task", "arithmetic", "--output", str(tmp_path / "train.parquet"))
+    assert proc.returncode != 0 and "--output is a folder" in proc.stderr
