@@ -266,10 +266,10 @@ def check_sizes(cfg, world: int, num_rows: int) -> dict:
     """Every derived batch size, computed once; one that does not divide fails here with a sentence."""
     d, a, n = cfg.data, cfg.actor, cfg.rollout.n
     if cfg.algorithm.adv_estimator in ("grpo", "rloo") and n < 2:
-        raise ValueError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares the samples of a "
+        raise config.ConfigError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares the samples of a "
                          f"prompt: set rollout.n ≥ 2 (it is {n})")
     if num_rows < d.train_batch_size:
-        raise ValueError(f"data.train_files has {num_rows} usable prompts, fewer than "
+        raise config.ConfigError(f"data.train_files has {num_rows} usable prompts, fewer than "
                          f"data.train_batch_size={d.train_batch_size}")
     prompts = exact_div(d.train_batch_size, world, "data.train_batch_size across processes")
     num_mini = exact_div(d.train_batch_size, a.ppo_mini_batch_size,
@@ -333,7 +333,7 @@ def main(cfg: config.Config):
     if cfg.reward.type in ("model", "both"):
         from reward_model import RewardModelScorer
         if not cfg.reward.model_path:
-            raise ValueError("reward.type=model needs reward.model_path (a folder written by reward_model.py)")
+            raise config.ConfigError("reward.type=model needs reward.model_path (a folder written by reward_model.py)")
         rm_scorer = RewardModelScorer(cfg.reward.model_path, cfg.reward.micro_batch_size, cfg.reward.normalize,
                                       cfg.reward.clip, device, dtype)
 
@@ -615,7 +615,6 @@ def main(cfg: config.Config):
 
 if __name__ == "__main__":
     try:
-        cfg = config.parse_args(sys.argv[1:], __doc__)
-    except config.ConfigError as e:
+        main(config.parse_args(sys.argv[1:], __doc__))
+    except (config.ConfigError, data.DataError) as e:  # a user's mistake: one sentence, no traceback
         sys.exit(f"ppo.py: {e}")
-    main(cfg)

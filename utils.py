@@ -9,11 +9,13 @@ from contextlib import contextmanager
 
 import torch
 
+from config import ConfigError
+
 
 def exact_div(a: int, b: int, what: str) -> int:
     """a / b as an int, or a sentence saying which batch size does not divide."""
     if b <= 0 or a % b != 0:
-        raise ValueError(f"{what}: {a} is not divisible by {b}")
+        raise ConfigError(f"{what}: {a} is not divisible by {b}")
     return a // b
 
 

@@ -1,0 +1,182 @@
+"""ppo.py end to end, run as a user runs it (a subprocess), on a tiny model made in the test.
+
+Each test asserts on what the run wrote: metrics.jsonl, checkpoints, the final model.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, make_tiny_model
+
+# A reward a random tiny model can earn: longer answers with more digits score higher. It uses
+# verl's signature and returns a dict, so the custom-function path and extra keys are exercised.
+REWARD_FILE = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    digits = sum(c.isdigit() for c in solution_str)
+    return {"score": digits / 8.0, "digits": float(digits)}
+'''
+NAN_REWARD_FILE = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return float("nan")
+'''
+REQUIRED = ["step", "score/mean", "reward/mean", "kl/mean", "kl/coef", "policy/entropy", "policy/clipfrac",
+            "policy/approx_kl", "loss/policy", "response/length_mean", "time/step_s", "perf/tokens_per_s"]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """A tiny model, train/val parquet files of arithmetic prompts, and the custom reward files."""
+    import data
+    root = tmp_path_factory.mktemp("ppo")
+    make_tiny_model(root / "model")
+    rows = data.make_arithmetic(80, seed=0)
+    data.write_parquet(rows[:64], str(root / "train.parquet"))
+    data.write_parquet(rows[64:], str(root / "val.parquet"))
+    (root / "reward.py").write_text(REWARD_FILE)
+    (root / "nan_reward.py").write_text(NAN_REWARD_FILE)
+    return root
+
+
+def base_args(root, out):
+    return [f"model.path={root}/model", f"data.train_files={root}/train.parquet",
+            f"data.val_files={root}/val.parquet", f"reward.function={root}/reward.py:compute_score",
+            "rollout.name=hf", "rollout.max_response_length=8", "data.max_prompt_length=64",
+            "data.train_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=4",
+            "trainer.total_steps=3", "trainer.save_freq=2", "trainer.test_freq=2", "trainer.sample_freq=2",
+            "trainer.max_kl=0", f"trainer.output_dir={out}", "model.dtype=fp32", "actor.optim.lr=1e-3",
+            "model.lora_rank=8", "model.target_modules=q_proj,v_proj"]
+
+
+def run_ppo(root, out, *overrides, nproc=1, expect_ok=True):
+    launcher = [sys.executable]
+    if nproc > 1:
+        launcher += ["-m", "accelerate.commands.launch", "--cpu", "--num_processes", str(nproc),
+                     "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    cmd = launcher + ["ppo.py", "--config", "configs.yaml", *base_args(root, out), *overrides]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    if expect_ok:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+def read_metrics(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_grpo_lora_run_writes_metrics_checkpoints_and_adapter(workdir, tmp_path):
+    """GRPO with LoRA: every required metric at every step, validation before and during training,
+    the last two checkpoints kept, a LoRA adapter and curves.png at the end."""
+    out = tmp_path / "grpo"
+    proc = run_ppo(workdir, out, "algorithm.adv_estimator=grpo")
+    lines = read_metrics(out)
+    assert lines[0]["step"] == 0 and "val/score/mean" in lines[0]
+    steps = [line for line in lines if line["step"] > 0]
+    assert [line["step"] for line in steps] == [1, 2, 3]
+    for line in steps:
+        assert all(k in line for k in REQUIRED), set(REQUIRED) - set(line)
+        assert "reward/digits" in line  # the custom function's extra key
+    assert "val/score/mean" in steps[1] and "val/arithmetic/score" in steps[2]
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(out / "final"))
+    assert sorted(p for p in os.listdir(out) if p.startswith("step_")) == ["step_2", "step_3"]
+    assert (out / "curves.png").stat().st_size > 1000
+    assert "score" in proc.stdout and "response" in proc.stdout  # the sample table
+
+
+def test_gae_run_trains_critic_and_first_ratio_is_one(workdir, tmp_path):
+    """GAE with a critic, KL in the reward (adaptive β), full fine-tune: value metrics are logged, β
+    moves, and with one epoch and one mini-batch the recomputed ratio is exactly 1 (approx_kl 0, no
+    clipping) even though the no-grad pass used different micro-batches than the update."""
+    out = tmp_path / "gae"
+    run_ppo(workdir, out, "algorithm.adv_estimator=gae", "model.lora_rank=0", "algorithm.use_kl_in_reward=true",
+            "algorithm.use_kl_loss=false", "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.horizon=10",
+            "actor.log_prob_micro_batch_size_per_device=3", "actor.ppo_micro_batch_size_per_device=8",
+            "actor.optim.lr=1e-4")
+    steps = [line for line in read_metrics(out) if line["step"] > 0]
+    for line in steps:
+        assert {"loss/value", "value/explained_var", "critic/grad_norm"} <= set(line)
+        assert line["policy/approx_kl"] < 1e-6 and line["policy/clipfrac"] == 0
+    assert steps[-1]["kl/coef"] != steps[0]["kl/coef"]
+    assert (out / "final" / "model.safetensors").exists()
+
+
+def test_resume_gives_the_same_metrics_as_an_uninterrupted_run(workdir, tmp_path):
+    """A run stopped after step 2 and resumed from its checkpoint logs the same steps 3–4 as a run that
+    never stopped: policy, critic, optimisers, schedulers, β, RNG and data position all come back."""
+    args = ["algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive",
+            "algorithm.kl_ctrl.horizon=10", "actor.ppo_mini_batch_size=2", "trainer.total_steps=4",
+            "trainer.keep_checkpoints=5", "trainer.test_freq=0"]
+    full = tmp_path / "full"
+    run_ppo(workdir, full, *args)
+    resumed = tmp_path / "resumed"
+    os.makedirs(resumed)
+    shutil.copytree(full / "step_2", resumed / "step_2")
+    shutil.copy(full / "metrics.jsonl", resumed / "metrics.jsonl")
+    proc = run_ppo(workdir, resumed, *args)
+    assert "resumed from" in proc.stdout
+
+    def comparable(lines):
+        return [{k: v for k, v in line.items() if not k.startswith(("time/", "perf/"))} for line in lines]
+    a, b = comparable(read_metrics(full)), comparable(read_metrics(resumed))
+    assert [line["step"] for line in b] == [0, 1, 2, 3, 4]
+    for x, y in zip(a[3:], b[3:]):
+        assert x.keys() == y.keys()
+        for k in x:
+            assert x[k] == pytest.approx(y[k], rel=1e-4, abs=1e-6), k
+
+
+def test_non_finite_loss_skips_the_step(workdir, tmp_path):
+    """A NaN score makes every loss NaN: each update is skipped and counted, and the saved adapter is
+    still the untouched initial one (LoRA B = 0)."""
+    out = tmp_path / "nan"
+    run_ppo(workdir, out, f"reward.function={workdir}/nan_reward.py:compute_score", "trainer.total_steps=2",
+            "trainer.val_before_train=false", "trainer.test_freq=0")
+    steps = [line for line in read_metrics(out) if line["step"] > 0]
+    assert [line["train/skipped_steps"] for line in steps] == [1, 2]
+    from safetensors.torch import load_file
+    weights = load_file(str(out / "final" / "adapter_model.safetensors"))
+    lora_b = [v for k, v in weights.items() if "lora_B" in k]
+    assert lora_b and all(torch.all(v == 0) for v in lora_b)
+
+
+def test_two_processes_on_cpu(workdir, tmp_path):
+    """`accelerate launch --num_processes 2` (DDP over gloo): rank 0 alone writes one metrics line per
+    step, the batch is split across ranks, and a checkpoint is written."""
+    out = tmp_path / "ddp"
+    run_ppo(workdir, out, "trainer.total_steps=2", "trainer.test_freq=0", nproc=2)
+    steps = [line for line in read_metrics(out) if line["step"] > 0]
+    assert [line["step"] for line in steps] == [1, 2]
+    assert all(k in steps[-1] for k in REQUIRED)
+    assert (out / "step_2").is_dir() and (out / "final" / "adapter_model.safetensors").exists()
+
+
+@pytest.mark.parametrize("case, overrides, message", [
+    ("unknown key", ["trainer.total_step=3"], "unknown config key `trainer.total_step`; did you mean `trainer.total_steps`?"),
+    ("bad type", ["actor.optim.lr=fast"], "config key `actor.optim.lr` must be a number"),
+    ("indivisible", ["data.train_batch_size=6"], "data.train_batch_size by actor.ppo_mini_batch_size"),
+    ("grpo needs n", ["rollout.n=1"], "set rollout.n ≥ 2"),
+])
+def test_bad_config_fails_at_start_with_a_sentence(workdir, tmp_path, case, overrides, message):
+    """Config mistakes stop the run before any model loads, with one sentence naming the key and the fix."""
+    proc = run_ppo(workdir, tmp_path / "bad", *overrides, expect_ok=False)
+    assert proc.returncode != 0
+    assert message in proc.stderr
+
+
+def test_bad_data_fails_with_the_file_named(workdir, tmp_path):
+    """A parquet without a `prompt` column, or with no rows, fails naming the file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    no_prompt = tmp_path / "no_prompt.parquet"
+    pq.write_table(pa.table({"question": ["What is 1 + 1?"]}), no_prompt)
+    proc = run_ppo(workdir, tmp_path / "bad", f"data.train_files={no_prompt}", expect_ok=False)
+    assert proc.returncode != 0 and str(no_prompt) in proc.stderr and "prompt" in proc.stderr
+    empty = tmp_path / "empty.parquet"
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), empty)
+    proc = run_ppo(workdir, tmp_path / "bad", f"data.train_files={empty}", expect_ok=False)
+    assert proc.returncode != 0 and str(empty) in proc.stderr
