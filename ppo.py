@@ -29,6 +29,7 @@ Shapes: B sequences on this process (prompts × n), Tq prompt length, Tr respons
 import os
 import sys
 import time
+from collections import defaultdict
 from contextlib import nullcontext
 
 import torch
@@ -194,6 +195,73 @@ def per_token_pass(fn, batch, size, max_tokens, lengths, device):
         result = fn(micro_batch(batch, inds, device)).float().cpu()
         out[inds, :result.shape[1]] = result
     return out
+
+
+def train_mini_batch(accelerator, model, optimizer, micro_batches, loss_fn, max_grad_norm: float):
+    """Accumulate gradients over the micro-batches, then one clipped optimiser step.
+
+    A non-finite loss or gradient never reaches the weights: the step is skipped (returns None).
+    DDP averages gradients only after the last micro-batch (no_sync before it).
+    """
+    for i, mb in enumerate(micro_batches):
+        with accelerator.no_sync(model) if i < len(micro_batches) - 1 else nullcontext():
+            accelerator.backward(loss_fn(mb))
+    grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+    finite = bool(torch.isfinite(grad_norm))  # the same on every process: gradients are already averaged
+    if finite:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm.item() if finite else None
+
+
+def actor_loss(cfg, policy, mb, temperature, dtype, norm, on_policy, use_ref, first_epoch, stats):
+    """Clipped policy loss (× rollout importance weight) − entropy bonus + KL loss, for one micro-batch."""
+    alg, mask = cfg.algorithm, mb["response_mask"].float()
+    logprobs, entropy = forward_logprobs(policy, mb, temperature, dtype, True)
+    old = logprobs.detach() if on_policy else mb["old_logprobs"]  # departure 3
+    pg, clipped = policy_loss(logprobs, old, mb["advantages"], cfg.actor.clip_ratio_low,
+                              cfg.actor.clip_ratio_high, cfg.actor.clip_ratio_c)
+    if "rollout_logprobs" in mb:  # departure 2: how far the sampler was from the training model
+        log_w = (old - mb["rollout_logprobs"]) * mask
+        if alg.rollout_is == "sequence":
+            log_w = log_w.sum(1, keepdim=True).expand_as(log_w)
+        is_weight = log_w.exp().clamp(max=alg.rollout_is_threshold)  # truncated IS (Yao et al., 2025)
+        if alg.rollout_is != "off":
+            pg = pg * is_weight
+        diff = (old - mb["rollout_logprobs"]).abs() * mask
+        stats["rollout/is_weight_mean"].append(masked_mean(is_weight, mask).item())
+        stats["rollout/logprob_diff_mean"].append(masked_mean(diff, mask).item())
+        stats["rollout/logprob_diff_max"].append(diff.max().item())
+        stats["rollout/ratio_mean"].append(masked_mean((old - mb["rollout_logprobs"]).exp(), mask).item())
+    loss_mat = pg - cfg.actor.entropy_coef * entropy
+    if use_ref:
+        if alg.use_kl_loss:
+            loss_mat = loss_mat + alg.kl_loss_coef * kl_estimate(logprobs, mb["ref_logprobs"], alg.kl_loss_type)
+        if first_epoch:  # kl/mean: the rollout policy's distance from the reference
+            kind = alg.kl_penalty if alg.use_kl_in_reward else alg.kl_loss_type
+            stats["kl/mean"].append(masked_mean(kl_estimate(old, mb["ref_logprobs"], kind), mask).item())
+    stats["loss/policy"].append(masked_mean(pg.detach(), mask).item())
+    stats["policy/clipfrac"].append(masked_mean(clipped, mask).item())
+    stats["policy/approx_kl"].append(masked_mean(kl_estimate(old, logprobs.detach(), "k3"), mask).item())
+    stats["policy/entropy"].append(masked_mean(entropy.detach(), mask).item())
+    return agg_loss(loss_mat, mask, cfg.actor.loss_agg_mode, *norm)
+
+
+def critic_loss(cfg, critic, mb, dtype, norm, stats):
+    """vf_coef · clipped value loss, token-mean over the mini-batch, for one micro-batch."""
+    mask = mb["response_mask"].float()
+    values = forward_values(critic, mb, dtype)
+    vf, vf_clipfrac = value_loss(values, mb["values"], mb["returns"], mask, cfg.critic.cliprange_value)
+    stats["loss/value"].append(masked_mean(vf.detach(), mask).item())
+    stats["value/clipfrac"].append(vf_clipfrac.item())
+    return cfg.critic.vf_coef * agg_loss(vf, mask, "token-mean", *norm)
+
+
+def reduce_metrics(accelerator, metrics: dict) -> dict:
+    """Means over processes (maxima for *_max keys); every process holds the same keys."""
+    values = torch.tensor(list(metrics.values()), device=accelerator.device, dtype=torch.float64)
+    means, maxima = accelerator.reduce(values, "mean").tolist(), accelerator.reduce(values, "max").tolist()
+    return {k: (hi if k.endswith("_max") else m) for k, m, hi in zip(metrics, means, maxima)}
 
 
 class TrainState:
@@ -443,84 +511,33 @@ def main(cfg: config.Config):
         batch["advantages"] = advantages
 
         # ---- 7. PPO epochs over mini-batches, gradient accumulation over micro-batches
-        stats = {k: [] for k in ("pg_loss", "clipfrac", "approx_kl", "entropy", "kl", "vf_loss", "vf_clipfrac",
-                                 "is_weight", "lp_diff", "lp_diff_max", "ratio", "grad_norm", "critic_grad_norm")}
-        update_actor = step > cfg.critic.warmup_steps
+        stats = defaultdict(list)  # metric name → one value per micro-batch (or per optimiser step)
+        update_actor = step > cfg.critic.warmup_steps  # critic warmup: the actor waits for useful values
         g = torch.Generator().manual_seed(t.seed * 7919 + step)
         for epoch in range(cfg.actor.ppo_epochs):
-            perm = torch.randperm(B, generator=g)
-            for mb_inds in perm.split(sizes["mini"]):
+            for mb_inds in torch.randperm(B, generator=g).split(sizes["mini"]):
                 # normalisers over the whole mini-batch and every process (departure 4)
                 counts = torch.tensor([float(response_mask[mb_inds].sum()), float(len(mb_inds))], device=device)
-                num_tokens, num_seqs = (accelerator.reduce(counts, "sum") / accelerator.num_processes).tolist()
-                micros = split_micro(mb_inds, tok_lengths, sizes["micro"], max_tok)
-                with timed(times, "time/update_actor_s"):
-                    for i, inds in enumerate(micros):
-                        mb = micro_batch(batch, inds, device)
-                        mask = mb["response_mask"].float()
-                        sync = accelerator.no_sync(policy) if i < len(micros) - 1 else nullcontext()
-                        with sync:
-                            logprobs, entropy = forward_logprobs(policy, mb, temperature, dtype, True)
-                            old = logprobs.detach() if on_policy_shortcut else mb["old_logprobs"]
-                            pg, clipped = policy_loss(logprobs, old, mb["advantages"], cfg.actor.clip_ratio_low,
-                                                      cfg.actor.clip_ratio_high, cfg.actor.clip_ratio_c)
-                            if "rollout_logprobs" in mb:  # departure 2: how far the sampler was from this model
-                                log_w = (old - mb["rollout_logprobs"]) * mask
-                                if alg.rollout_is == "sequence":
-                                    log_w = log_w.sum(1, keepdim=True).expand_as(log_w)
-                                is_weight = log_w.exp().clamp(max=alg.rollout_is_threshold).detach()
-                                if alg.rollout_is != "off":
-                                    pg = pg * is_weight
-                                stats["is_weight"].append(masked_mean(is_weight, mask).item())
-                                stats["lp_diff"].append(masked_mean(log_w.abs(), mask).item())
-                                stats["lp_diff_max"].append((log_w.abs() * mask).max().item())
-                                stats["ratio"].append(masked_mean((old - mb["rollout_logprobs"]).exp(), mask).item())
-                            loss_mat = pg - cfg.actor.entropy_coef * entropy
-                            if use_ref:
-                                kl_tok = kl_estimate(logprobs, mb["ref_logprobs"], alg.kl_loss_type)
-                                if alg.use_kl_loss:
-                                    loss_mat = loss_mat + alg.kl_loss_coef * kl_tok
-                                if epoch == 0:
-                                    metric_kl = alg.kl_penalty if alg.use_kl_in_reward else alg.kl_loss_type
-                                    stats["kl"].append(masked_mean(kl_estimate(old, mb["ref_logprobs"], metric_kl),
-                                                                   mask).item())
-                            loss = agg_loss(loss_mat, mask, cfg.actor.loss_agg_mode, num_tokens, num_seqs)
-                            if update_actor:
-                                accelerator.backward(loss)
-                        stats["pg_loss"].append(masked_mean(pg, mask).item())
-                        stats["clipfrac"].append(masked_mean(clipped, mask).item())
-                        stats["approx_kl"].append(masked_mean(kl_estimate(old, logprobs.detach(), "k3"), mask).item())
-                        stats["entropy"].append(masked_mean(entropy.detach(), mask).item())
-                    if update_actor:
-                        grad_norm = accelerator.clip_grad_norm_(policy.parameters(), cfg.actor.max_grad_norm)
-                        if torch.isfinite(grad_norm):
-                            actor_opt.step()
-                            stats["grad_norm"].append(grad_norm.item())
-                        else:  # a non-finite loss or gradient never reaches the weights
-                            state.skipped += 1
-                        actor_opt.zero_grad(set_to_none=True)
+                norm = (accelerator.reduce(counts, "sum") / accelerator.num_processes).tolist()
+                if update_actor:
+                    with timed(times, "time/update_actor_s"):
+                        micros = [micro_batch(batch, i, device) for i in
+                                  split_micro(mb_inds, tok_lengths, sizes["micro"], max_tok)]
+                        loss_fn = lambda mb: actor_loss(cfg, policy, mb, temperature, dtype, norm, on_policy_shortcut,  # noqa: E731
+                                                        use_ref, epoch == 0, stats)
+                        grad_norm = train_mini_batch(accelerator, policy, actor_opt, micros, loss_fn,
+                                                     cfg.actor.max_grad_norm)
+                    state.skipped += grad_norm is None
+                    stats["actor/grad_norm"] += [grad_norm] if grad_norm is not None else []
                 if critic is not None:
                     with timed(times, "time/update_critic_s"):
-                        critic_micros = split_micro(mb_inds, tok_lengths, sizes["critic_micro"], max_tok)
-                        for i, inds in enumerate(critic_micros):
-                            mb = micro_batch(batch, inds, device)
-                            mask = mb["response_mask"].float()
-                            sync = accelerator.no_sync(critic) if i < len(critic_micros) - 1 else nullcontext()
-                            with sync:
-                                values = forward_values(critic, mb, dtype)
-                                vf, vf_clipfrac = value_loss(values, mb["values"], mb["returns"], mask,
-                                                             cfg.critic.cliprange_value)
-                                loss = cfg.critic.vf_coef * agg_loss(vf, mask, "token-mean", num_tokens, num_seqs)
-                                accelerator.backward(loss)
-                            stats["vf_loss"].append(masked_mean(vf.detach(), mask).item())
-                            stats["vf_clipfrac"].append(vf_clipfrac.item())
-                        grad_norm = accelerator.clip_grad_norm_(critic.parameters(), cfg.actor.max_grad_norm)
-                        if torch.isfinite(grad_norm):
-                            critic_opt.step()
-                            stats["critic_grad_norm"].append(grad_norm.item())
-                        else:
-                            state.skipped += 1
-                        critic_opt.zero_grad(set_to_none=True)
+                        micros = [micro_batch(batch, i, device) for i in
+                                  split_micro(mb_inds, tok_lengths, sizes["critic_micro"], max_tok)]
+                        loss_fn = lambda mb: critic_loss(cfg, critic, mb, dtype, norm, stats)  # noqa: E731
+                        grad_norm = train_mini_batch(accelerator, critic, critic_opt, micros, loss_fn,
+                                                     cfg.actor.max_grad_norm)
+                    state.skipped += grad_norm is None
+                    stats["critic/grad_norm"] += [grad_norm] if grad_norm is not None else []
         metrics["actor/lr"] = actor_sched.get_last_lr()[0]
         if update_actor:
             actor_sched.step()
@@ -533,35 +550,16 @@ def main(cfg: config.Config):
                 rollout.sync_weights(policy)
 
         # ---- 9. log: means over this process's batch, then over processes
-        mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
         metrics.update({
             "score/mean": scores.mean().item(), "score/max": scores.max().item(), "score/min": scores.min().item(),
-            "reward/mean": token_rewards.sum(1).mean().item(),
+            "reward/mean": token_rewards.sum(1).mean().item(), "kl/coef": beta,
             "response/length_mean": lengths.float().mean().item(),
-            "response/clip_ratio": truncated.float().mean().item(),
-            "policy/entropy": mean(stats["entropy"]), "policy/clipfrac": mean(stats["clipfrac"]),
-            "policy/approx_kl": mean(stats["approx_kl"]), "loss/policy": mean(stats["pg_loss"]),
-            "kl/coef": beta,
-        })
-        if stats["kl"]:
-            metrics["kl/mean"] = mean(stats["kl"])
-        if stats["grad_norm"]:
-            metrics["actor/grad_norm"] = mean(stats["grad_norm"])
-        if stats["lp_diff"]:
-            metrics.update({"rollout/logprob_diff_mean": mean(stats["lp_diff"]),
-                            "rollout/logprob_diff_max": max(stats["lp_diff_max"]),
-                            "rollout/ratio_mean": mean(stats["ratio"]), "rollout/is_weight_mean": mean(stats["is_weight"])})
+            "response/clip_ratio": truncated.float().mean().item()})
+        metrics.update({k: max(v) if k.endswith("_max") else sum(v) / len(v) for k, v in stats.items() if v})
         if critic is not None:
-            metrics.update({"loss/value": mean(stats["vf_loss"]), "value/clipfrac": mean(stats["vf_clipfrac"]),
-                            "value/mean": masked_mean(batch["values"], response_mask).item(),
-                            "value/explained_var": explained_variance(batch["values"], batch["returns"], response_mask)})
-            if stats["critic_grad_norm"]:
-                metrics["critic/grad_norm"] = mean(stats["critic_grad_norm"])
-        metrics = {k: v for k, v in zip(metrics, accelerator.reduce(
-            torch.tensor(list(metrics.values()), device=device, dtype=torch.float64), "mean").tolist())}
-        if "rollout/logprob_diff_max" in metrics:  # a max over processes, not a mean
-            metrics["rollout/logprob_diff_max"] = accelerator.reduce(
-                torch.tensor(max(stats["lp_diff_max"]), device=device), "max").item()
+            metrics["value/mean"] = masked_mean(batch["values"], response_mask).item()
+            metrics["value/explained_var"] = explained_variance(batch["values"], batch["returns"], response_mask)
+        metrics = reduce_metrics(accelerator, metrics)
         tokens = accelerator.reduce(torch.tensor(float(query_mask.sum() + lengths.sum()), device=device), "sum").item()
         times["time/step_s"] = time.perf_counter() - t0
         metrics.update(times)
@@ -583,7 +581,7 @@ def main(cfg: config.Config):
         # ---- guards: a run that drifts too far from the reference, or collapses, stops with a checkpoint
         if t.max_kl and metrics.get("kl/mean", 0.0) > t.max_kl:
             stop_reason = f"kl/mean {metrics['kl/mean']:.4f} > trainer.max_kl {t.max_kl}"
-        if t.min_entropy and metrics["policy/entropy"] < t.min_entropy:
+        if t.min_entropy and metrics.get("policy/entropy", t.min_entropy) < t.min_entropy:
             message = f"policy/entropy {metrics['policy/entropy']:.4f} < trainer.min_entropy {t.min_entropy}"
             if t.min_entropy_action == "stop":
                 stop_reason = message
