@@ -83,6 +83,8 @@ class RolloutConfig:
     """vLLM on GPU: sleep the engine (free its KV cache) while training"""
     micro_batch_size: int = 64
     """sequences per HF generate call"""
+    ignore_eos: bool = False
+    """keep generating past EOS to max_response_length (fixed-length responses, for benchmarks)"""
 
 
 @dataclass
