@@ -7,6 +7,7 @@ the head starts random; initialised from a reward model trained by reward_model.
 reward model's head, so values begin on the scale of the scores.
 """
 import torch
+import transformers
 from transformers import AutoConfig, AutoModelForTokenClassification
 
 
@@ -14,20 +15,14 @@ def load_critic(path: str) -> torch.nn.Module:
     """A token-level value model (fp32 weights) from a policy or reward-model folder."""
     config = AutoConfig.from_pretrained(path, num_labels=1)
     config.classifier_dropout = 0.0  # dropout would make values differ between rollout and update
+    # From a policy, transformers reports lm_head as unused and the head as new: expected, so quiet.
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
     model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch.float32)
+    transformers.logging.set_verbosity(verbosity)
     if model.config.pad_token_id is None:
         model.config.pad_token_id = model.config.eos_token_id
     return model
-
-
-def compute_values(critic, input_ids, attention_mask, position_ids, response_length: int) -> torch.Tensor:
-    """V(s_t) for each response token t: the head's output at the position that predicts token t.
-
-    input_ids etc. (B, Tq+Tr) → values (B, Tr). The state before response token t ends at
-    position Tq + t − 1, the same position whose logits give log π(token t).
-    """
-    out = critic(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
-    return out.logits[:, -response_length - 1:-1, 0].float()  # (B, Tr)
 
 
 def gae(rewards, values, response_mask, gamma: float, lam: float):

@@ -41,7 +41,7 @@ from tqdm import tqdm
 import config
 import data
 import rewards as rule_rewards
-from critic import compute_values, explained_variance, gae, load_critic, value_loss
+from critic import explained_variance, gae, load_critic, value_loss
 from kl import KLController, kl_estimate, kl_penalty_rewards
 from rollout import left_pad, make_rollout
 from utils import (autocast, autocast_dtype, checkpoint_step, console_line, drop_metrics_after, exact_div,
@@ -116,12 +116,12 @@ def agg_loss(loss_mat, mask, mode: str, num_tokens: float, num_seqs: float):
 
 
 def logprobs_from_logits(logits, tokens):
-    """log softmax(logits)[token]: (B, Tr, V), (B, Tr) → (B, Tr)."""
-    return torch.gather(logits.log_softmax(-1), 2, tokens.unsqueeze(-1)).squeeze(-1)
+    """log softmax(logits)[token]: (..., V), (...) → (...)."""
+    return torch.gather(logits.log_softmax(-1), -1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
 def entropy_from_logits(logits):
-    """H = logsumexp(z) − Σ softmax(z)·z, per position: (B, Tr, V) → (B, Tr)."""
+    """H = logsumexp(z) − Σ softmax(z)·z, per position: (..., V) → (...)."""
     return torch.logsumexp(logits, -1) - (logits.softmax(-1) * logits).sum(-1)
 
 
@@ -129,12 +129,26 @@ def entropy_from_logits(logits):
 # Batches
 
 
-def model_inputs(queries, query_mask, responses, response_mask):
-    """Left-padded queries + right-padded responses → input_ids, attention_mask, position_ids (B, Tq+Tr)."""
-    input_ids = torch.cat([queries, responses], dim=1)
-    attention_mask = torch.cat([query_mask, response_mask], dim=1)
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # positions restart after the left padding
-    return input_ids, attention_mask, position_ids
+def model_inputs(mb: dict, packed: bool):
+    """The forward's inputs, and where in its output the predictions of the response tokens are.
+
+    Padded: left-padded queries + right-padded responses, (B, Tq+Tr); positions restart after the
+    left padding. The state before response token t ends at position Tq + t − 1, so the last Tr + 1
+    outputs minus the final one predict the response: `keep = Tr + 1`, then drop the last.
+    Packed (model.use_remove_padding): the real tokens of every row in one row (1, N), positions
+    restarting at 0 per sequence and no attention mask, from which transformers builds a
+    block-diagonal causal mask; `keep` is the (K,) flat positions, K = real response tokens.
+    """
+    query_mask, response_mask = mb["query_mask"].bool(), mb["response_mask"].bool()
+    input_ids = torch.cat([mb["queries"], mb["responses"]], dim=1)
+    token_mask = torch.cat([query_mask, response_mask], dim=1)  # (B, Tq+Tr)
+    if not packed:
+        position_ids = (token_mask.long().cumsum(1) - 1).clamp(min=0)
+        return dict(input_ids=input_ids, attention_mask=token_mask.long(), position_ids=position_ids), None
+    flat_index = token_mask.flatten().cumsum(0).view(token_mask.shape) - 1  # (B, Tq+Tr) index into the packed row
+    keep = flat_index[:, query_mask.shape[1]:][response_mask] - 1  # (K,) the position before each response token
+    position_ids = torch.cat([torch.arange(n, device=input_ids.device) for n in token_mask.sum(1).tolist()])
+    return dict(input_ids=input_ids[token_mask][None], position_ids=position_ids[None], attention_mask=None), keep
 
 
 def micro_batch(batch: dict, inds, device):
@@ -165,26 +179,32 @@ def split_micro(inds, lengths, size: int, max_tokens: int = 0):
     return out + [torch.tensor(cur)]
 
 
-def forward_logprobs(model, mb, temperature: float, dtype, with_entropy: bool):
+def forward_logprobs(model, mb, temperature: float, dtype, with_entropy: bool, packed: bool = False):
     """log π(response token t | prefix) and the entropy at each response position, (B, Tr) each."""
-    input_ids, attention_mask, position_ids = model_inputs(mb["queries"], mb["query_mask"],
-                                                           mb["responses"], mb["response_mask"])
-    Tr = mb["responses"].shape[1]
-    with autocast(input_ids.device, dtype):
-        # only the Tr positions that predict response tokens need logits: (B, Tr, V), not (B, Tq+Tr, V)
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                       logits_to_keep=Tr + 1).logits[:, :-1]
-    logits = logits.float() / temperature  # the sampler's distribution is softmax(z / T)
-    logprobs = logprobs_from_logits(logits, mb["responses"])
+    inputs, keep = model_inputs(mb, packed)
+    Tr, mask = mb["responses"].shape[1], mb["response_mask"].bool()
+    with autocast(inputs["input_ids"].device, dtype):
+        # logits only where they predict a response token: (B, Tr, V) or (K, V), never (B, Tq+Tr, V)
+        logits = model(**inputs, logits_to_keep=Tr + 1 if keep is None else keep, use_cache=False).logits
+    logits = (logits[:, :-1] if keep is None else logits[0]).float() / temperature  # sampler: softmax(z / T)
+    targets = mb["responses"] if keep is None else mb["responses"][mask]
+    logprobs = logprobs_from_logits(logits, targets)
     entropy = entropy_from_logits(logits) if with_entropy else None
+    if keep is not None:  # back from (K,) to (B, Tr)
+        logprobs = torch.zeros(mask.shape, device=logits.device).masked_scatter(mask, logprobs)
+        entropy = torch.zeros(mask.shape, device=logits.device).masked_scatter(mask, entropy) if with_entropy else None
     return logprobs, entropy
 
 
-def forward_values(critic, mb, dtype):
-    input_ids, attention_mask, position_ids = model_inputs(mb["queries"], mb["query_mask"],
-                                                           mb["responses"], mb["response_mask"])
-    with autocast(input_ids.device, dtype):
-        return compute_values(critic, input_ids, attention_mask, position_ids, mb["responses"].shape[1])
+def forward_values(critic, mb, dtype, packed: bool = False):
+    """V(s_t) before each response token, from the same positions as the logprobs: (B, Tr)."""
+    inputs, keep = model_inputs(mb, packed)
+    Tr, mask = mb["responses"].shape[1], mb["response_mask"].bool()
+    with autocast(inputs["input_ids"].device, dtype):
+        values = critic(**inputs, use_cache=False).logits[..., 0].float()  # (B, Tq+Tr) or (1, N)
+    if keep is None:
+        return values[:, -Tr - 1:-1]
+    return torch.zeros(mask.shape, device=values.device).masked_scatter(mask, values[0, keep])
 
 
 @torch.no_grad()
@@ -217,7 +237,7 @@ def train_mini_batch(accelerator, model, optimizer, micro_batches, loss_fn, max_
 def actor_loss(cfg, policy, mb, temperature, dtype, norm, on_policy, use_ref, first_epoch, stats):
     """Clipped policy loss (× rollout importance weight) − entropy bonus + KL loss, for one micro-batch."""
     alg, mask = cfg.algorithm, mb["response_mask"].float()
-    logprobs, entropy = forward_logprobs(policy, mb, temperature, dtype, True)
+    logprobs, entropy = forward_logprobs(policy, mb, temperature, dtype, True, cfg.model.use_remove_padding)
     old = logprobs.detach() if on_policy else mb["old_logprobs"]  # departure 3
     pg, clipped = policy_loss(logprobs, old, mb["advantages"], cfg.actor.clip_ratio_low,
                               cfg.actor.clip_ratio_high, cfg.actor.clip_ratio_c)
@@ -250,7 +270,7 @@ def actor_loss(cfg, policy, mb, temperature, dtype, norm, on_policy, use_ref, fi
 def critic_loss(cfg, critic, mb, dtype, norm, stats):
     """vf_coef · clipped value loss, token-mean over the mini-batch, for one micro-batch."""
     mask = mb["response_mask"].float()
-    values = forward_values(critic, mb, dtype)
+    values = forward_values(critic, mb, dtype, cfg.model.use_remove_padding)
     vf, vf_clipfrac = value_loss(values, mb["values"], mb["returns"], mask, cfg.critic.cliprange_value)
     stats["loss/value"].append(masked_mean(vf.detach(), mask).item())
     stats["value/clipfrac"].append(vf_clipfrac.item())
@@ -425,12 +445,13 @@ def main(cfg: config.Config):
     rollout = make_rollout(cfg, policy, tokenizer, accelerator, dtype)
     unwrapped = accelerator.unwrap_model(policy)
     temperature = cfg.rollout.temperature or 1.0
+    packed = cfg.model.use_remove_padding
 
     def ref_logprobs_of(mb):
         if ref is not None:
-            return forward_logprobs(ref, mb, temperature, dtype, False)[0]
+            return forward_logprobs(ref, mb, temperature, dtype, False, packed)[0]
         with unwrapped.disable_adapter():
-            return forward_logprobs(unwrapped, mb, temperature, dtype, False)[0]
+            return forward_logprobs(unwrapped, mb, temperature, dtype, False, packed)[0]
 
     lp_micro, max_tok = cfg.actor.log_prob_micro_batch_size_per_device, (
         cfg.actor.max_token_len_per_device if cfg.actor.use_dynamic_bsz else 0)
@@ -477,14 +498,14 @@ def main(cfg: config.Config):
         if not on_policy_shortcut:
             with timed(times, "time/old_logprob_s"):
                 batch["old_logprobs"] = per_token_pass(
-                    lambda mb: forward_logprobs(policy, mb, temperature, dtype, False)[0],
+                    lambda mb: forward_logprobs(policy, mb, temperature, dtype, False, packed)[0],
                     batch, lp_micro, max_tok, tok_lengths, device)
         if use_ref:
             with timed(times, "time/ref_s"):
                 batch["ref_logprobs"] = per_token_pass(ref_logprobs_of, batch, lp_micro, max_tok, tok_lengths, device)
         if critic is not None:
             with timed(times, "time/values_s"):
-                batch["values"] = per_token_pass(lambda mb: forward_values(critic, mb, dtype), batch, lp_micro,
+                batch["values"] = per_token_pass(lambda mb: forward_values(critic, mb, dtype, packed), batch, lp_micro,
                                                  max_tok, tok_lengths, device) * response_mask
 
         # ---- 5. rewards = score at the last token − β·KL at every token

@@ -89,14 +89,16 @@ def test_grpo_lora_run_writes_metrics_checkpoints_and_adapter(workdir, tmp_path)
 
 
 def test_gae_run_trains_critic_and_first_ratio_is_one(workdir, tmp_path):
-    """GAE with a critic, KL in the reward (adaptive β), full fine-tune: value metrics are logged, β
-    moves, and with one epoch and one mini-batch the recomputed ratio is exactly 1 (approx_kl 0, no
-    clipping) even though the no-grad pass used different micro-batches than the update."""
+    """GAE with a critic, KL in the reward (adaptive β), full fine-tune, packed sequences and token-budget
+    micro-batches: value metrics are logged, β moves, and with one epoch and one mini-batch the
+    recomputed ratio is exactly 1 (approx_kl 0, no clipping) although the no-grad pass and the update
+    formed their micro-batches differently."""
     out = tmp_path / "gae"
     run_ppo(workdir, out, "algorithm.adv_estimator=gae", "model.lora_rank=0", "algorithm.use_kl_in_reward=true",
             "algorithm.use_kl_loss=false", "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.horizon=10",
             "actor.log_prob_micro_batch_size_per_device=3", "actor.ppo_micro_batch_size_per_device=8",
-            "actor.optim.lr=1e-4")
+            "actor.optim.lr=1e-4", "model.use_remove_padding=true", "actor.use_dynamic_bsz=true",
+            "actor.max_token_len_per_device=200")
     steps = [line for line in read_metrics(out) if line["step"] > 0]
     for line in steps:
         assert {"loss/value", "value/explained_var", "critic/grad_norm"} <= set(line)
