@@ -8,6 +8,8 @@ Both backends return the same `Rollout`, row `i·n + j` holding sample j of prom
 `ppo.py` calls `make_rollout(...)` once, then `generate(...)` every step and `sync_weights(...)`
 after every optimiser step that changed the policy.
 """
+import os
+import random
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Optional
@@ -80,6 +82,8 @@ class HFRollout:
         greedy = temperature == 0
         kwargs = dict(max_new_tokens=cfg.max_response_length, do_sample=not greedy,
                       pad_token_id=self.pad_id, eos_token_id=sorted(self.eos_ids), synced_gpus=self.synced_gpus)
+        if cfg.ignore_eos:
+            kwargs.update(min_new_tokens=cfg.max_response_length)
         if not greedy:
             kwargs.update(temperature=temperature, top_p=cfg.top_p, top_k=cfg.top_k if cfg.top_k > 0 else None)
         autocast = (torch.autocast(device.type, dtype=self.autocast_dtype) if self.autocast_dtype
@@ -91,7 +95,8 @@ class HFRollout:
             ids, mask = left_pad(seqs[start:start + cfg.micro_batch_size], self.pad_id)
             with autocast:
                 out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)
-            responses += [cut_at_eos(row, self.eos_ids) for row in out[:, ids.shape[1]:].tolist()]
+            new = out[:, ids.shape[1]:].tolist()
+            responses += new if cfg.ignore_eos else [cut_at_eos(row, self.eos_ids) for row in new]
         self.model.train(was_training)
         lengths = [len(r) for r in responses]
         responses = right_pad(responses, self.pad_id)  # (B·n, Tr)
@@ -102,10 +107,112 @@ class HFRollout:
         pass
 
 
+def policy_weights(model) -> dict[str, torch.Tensor]:
+    """The policy's full weights under the plain checkpoint's names, ready for an inference engine.
+
+    FSDP2 shards each parameter as a DTensor; `get_model_state_dict(full_state_dict=True)` gathers them whole
+    (a collective: every rank calls it). With LoRA the policy's weight is W + s·B·A, s = α/r (Hu et al., 2021,
+    eq. 3); it is formed here from the state dict, so the training model is never merged and unmerged.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    # No cpu_offload: with a full state dict it would hand the weights to rank 0 only, and every rank has an engine.
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    weights = {}
+    for key, w in state.items():
+        if ".lora_" in key:
+            continue
+        if key.endswith(".base_layer.weight"):  # PEFT's LoraLayer: W is frozen in base_layer, B·A beside it
+            name = key.removesuffix(".base_layer.weight")
+            layer = model.get_submodule(name)
+            if not getattr(layer, "merged", False):
+                for a in layer.active_adapters:
+                    B, A = state[f"{name}.lora_B.{a}.weight"], state[f"{name}.lora_A.{a}.weight"]  # (out, r), (r, in)
+                    w = w + layer.scaling[a] * (B @ A)
+        weights[key.removeprefix("base_model.model.").replace(".base_layer.", ".")] = w
+    return weights
+
+
+class VLLMRollout:
+    """A vLLM engine in this process, with its own copy of the policy's weights.
+
+    The engine loads `model.path`, and `sync_weights` overwrites its weights with the actor's, at construction
+    (so a LoRA or resumed actor is what it samples from) and after every optimiser step.
+    Its logprobs are `processed_logprobs`: log_softmax(logits / T) after top-k/top-p, the distribution sampled.
+    On GPU with `rollout.free_cache_engine` the engine sleeps between rollouts (weights to host RAM, KV cache freed),
+    as verl does; vLLM's CPU backend has no sleep mode, so there it stays awake.
+    """
+
+    def __init__(self, cfg, model, tokenizer, unwrap=lambda m: m):
+        from vllm import LLM
+
+        self.cfg, self.unwrap = cfg.rollout, unwrap
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.eos_ids = eos_ids_of(tokenizer, unwrap(model))
+        self.dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg.rollout.dtype]
+        self.sleeps = cfg.rollout.free_cache_engine and torch.cuda.is_available()
+        self.llm = LLM(model=cfg.model.path, tokenizer=cfg.model.tokenizer_path or cfg.model.path,
+                       dtype=self.dtype, seed=cfg.trainer.seed, enforce_eager=cfg.rollout.enforce_eager,
+                       max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_response_length,
+                       gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, enable_prefix_caching=True,
+                       logprobs_mode="processed_logprobs", enable_sleep_mode=self.sleeps)
+        self.asleep = False
+        self.sync_weights(model)
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], n: int, temperature: float, seed: Optional[int] = None) -> Rollout:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self.wake_up()
+        cfg, greedy = self.cfg, temperature == 0
+        # vLLM seeds sample j of a request with seed_i + j; drawing each prompt's seed_i from `seed` makes the
+        # same call return the same samples.
+        rng = random.Random(seed)
+        params = [SamplingParams(n=1 if greedy else n, temperature=temperature, top_p=cfg.top_p,
+                                 top_k=max(cfg.top_k, 0), max_tokens=cfg.max_response_length,
+                                 stop_token_ids=sorted(self.eos_ids), detokenize=False,
+                                 logprobs=0,  # the sampled token's logprob, no alternatives
+                                 seed=None if seed is None else rng.randrange(2**31)) for _ in prompts]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        responses, logprobs = [], []
+        for out in outputs:  # in prompt order; row i·n + j = sample j of prompt i
+            samples = sorted(out.outputs, key=lambda s: s.index)
+            for sample in samples * n if greedy else samples:  # vLLM wants n = 1 when greedy; the n rows agree
+                tokens = cut_at_eos(list(sample.token_ids), self.eos_ids)
+                responses.append(tokens)
+                logprobs.append([sample.logprobs[t][tok].logprob for t, tok in enumerate(tokens)])
+        if self.sleeps:
+            self.llm.sleep(level=1)
+            self.asleep = True
+        lengths = torch.tensor([len(r) for r in responses])
+        responses = right_pad(responses, self.pad_id)  # (B·n, Tr)
+        response_mask = (torch.arange(responses.shape[1])[None, :] < lengths[:, None]).long()  # (B·n, Tr)
+        logprobs = right_pad(logprobs, 0.0, dtype=torch.float32)  # (B·n, Tr)
+        return Rollout(responses, response_mask, logprobs)
+
+    @torch.no_grad()
+    def sync_weights(self, model) -> None:
+        """Copy the actor's current weights into the engine, and forget KV computed with the old ones."""
+        self.wake_up()
+        weights = [(k, w.to(self.dtype)) for k, w in policy_weights(self.unwrap(model)).items()]
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.reset_prefix_cache()  # cached prompt prefixes hold keys and values of the old weights
+
+    def wake_up(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+
 def make_rollout(cfg, model, tokenizer, accelerator, autocast_dtype=None):
     """The backend named by `cfg.rollout.name`; vLLM falls back to HF, with one warning, where it is missing."""
     name = cfg.rollout.name
     if name == "vllm":
+        # Before vLLM is imported: keep its engine in this process (so weights pass by reference), and tell it
+        # torch's thread count, or on CPU it pins torch to one thread and training runs at half speed.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
         try:
             import vllm  # noqa: F401
         except ImportError as e:
@@ -113,6 +220,6 @@ def make_rollout(cfg, model, tokenizer, accelerator, autocast_dtype=None):
                 print(f"warning: rollout.name=vllm but vLLM cannot be imported ({e}); using rollout.name=hf")
             name = "hf"
     if name == "vllm":
-        raise NotImplementedError("vLLM rollout backend: see issue 3")
+        return VLLMRollout(cfg, model, tokenizer, unwrap=accelerator.unwrap_model)
     synced = accelerator.distributed_type.name == "FSDP"
     return HFRollout(accelerator.unwrap_model(model), tokenizer, cfg.rollout, autocast_dtype, synced_gpus=synced)
