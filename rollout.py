@@ -133,6 +133,13 @@ def policy_weights(model) -> dict[str, torch.Tensor]:
     return weights
 
 
+def kv_cache_bytes(config, tokens: int, dtype: torch.dtype) -> int:
+    """Bytes of keys and values for `tokens` positions: 2 · layers · kv_heads · head_dim · itemsize each."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * dtype.itemsize * tokens
+
+
 class VLLMRollout:
     """A vLLM engine in this process, with its own copy of the policy's weights.
 
@@ -151,11 +158,17 @@ class VLLMRollout:
         self.eos_ids = eos_ids_of(tokenizer, unwrap(model))
         self.dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg.rollout.dtype]
         self.sleeps = cfg.rollout.free_cache_engine and torch.cuda.is_available()
+        max_len = cfg.data.max_prompt_length + cfg.rollout.max_response_length
+        memory = dict(gpu_memory_utilization=cfg.rollout.gpu_memory_utilization)
+        if not torch.cuda.is_available():
+            # On CPU vLLM gives its KV cache gpu_memory_utilization·RAM minus the RSS of this whole process (the
+            # trainer's too), and fails when that is ≤ 0; ask instead for what 256 full-length sequences need.
+            kv_bytes = kv_cache_bytes(unwrap(model).config, 256 * max_len, self.dtype)
+            memory = dict(max_num_seqs=256, kv_cache_memory_bytes=kv_bytes)
         self.llm = LLM(model=cfg.model.path, tokenizer=cfg.model.tokenizer_path or cfg.model.path,
                        dtype=self.dtype, seed=cfg.trainer.seed, enforce_eager=cfg.rollout.enforce_eager,
-                       max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_response_length,
-                       gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, enable_prefix_caching=True,
-                       logprobs_mode="processed_logprobs", enable_sleep_mode=self.sleeps)
+                       max_model_len=max_len, enable_prefix_caching=True, logprobs_mode="processed_logprobs",
+                       enable_sleep_mode=self.sleeps, **memory)
         self.asleep = False
         self.sync_weights(model)
 
@@ -172,6 +185,7 @@ class VLLMRollout:
         params = [SamplingParams(n=1 if greedy else n, temperature=temperature, top_p=cfg.top_p,
                                  top_k=max(cfg.top_k, 0), max_tokens=cfg.max_response_length,
                                  stop_token_ids=sorted(self.eos_ids), detokenize=False,
+                                 min_tokens=cfg.max_response_length if cfg.ignore_eos else 0,  # as HF's
                                  logprobs=0,  # the sampled token's logprob, no alternatives
                                  seed=None if seed is None else rng.randrange(2**31)) for _ in prompts]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)

@@ -247,3 +247,22 @@ def test_missing_vllm_falls_back_to_hf_with_one_warning(monkeypatch, capsys, tin
     assert isinstance(rollout, HFRollout)
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("warning: rollout.name=vllm")
+
+
+@vllm_test
+def test_ignore_eos_gives_full_length_responses(engine, tiny_model_dir, hello_model, tokenizer, prompts):
+    """With rollout.ignore_eos every response is max_response_length tokens long and never samples EOS,
+    in vLLM as in HF (whose min_new_tokens masks EOS the same way)."""
+    rollout = engine("fp32")
+    rollout.sync_weights(hello_model)  # a model that would stop early
+    rollout.cfg.ignore_eos = True
+    try:
+        vllm_out = rollout.generate(prompts[:6], 2, 1.0, seed=3)
+    finally:
+        rollout.cfg.ignore_eos = False
+    cfg = make_config(tiny_model_dir)
+    cfg.rollout.ignore_eos = True
+    hf_out = HFRollout(hello_model, tokenizer, cfg.rollout).generate(prompts[:6], 2, 1.0)
+    for out in (vllm_out, hf_out):
+        assert out.responses.shape == (12, MAX_RESPONSE) and out.response_mask.all()
+        assert not (out.responses == tokenizer.eos_token_id).any()
