@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import set_seed
+from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
 import config
@@ -47,6 +48,8 @@ from rollout import left_pad, make_rollout
 from utils import (autocast, autocast_dtype, checkpoint_step, console_line, drop_metrics_after, exact_div,
                    load_policy, load_tokenizer, make_optimizer, MetricsLogger, plot_curves, resolve_resume,
                    sample_table, save_checkpoint, save_pretrained_atomic, timed)
+
+LOGITS_CHUNK = 1024  # positions whose fp32 log-softmax is computed at once (see chunked_logprobs_entropy)
 
 # ---------------------------------------------------------------------------------------
 # Math: small pure functions, each a line of a paper
@@ -125,6 +128,31 @@ def entropy_from_logits(logits):
     return torch.logsumexp(logits, -1) - (logits.softmax(-1) * logits).sum(-1)
 
 
+def _logprobs_entropy(logits, tokens, temperature: float, with_entropy: bool):
+    z = logits.float() / temperature  # the sampler's distribution is softmax(z / T)
+    logprobs = logprobs_from_logits(z, tokens)
+    return logprobs, (entropy_from_logits(z) if with_entropy else torch.zeros_like(logprobs))
+
+
+def chunked_logprobs_entropy(logits, tokens, temperature: float, with_entropy: bool, chunk: int):
+    """logprobs_from_logits and entropy_from_logits of softmax(z / T), `chunk` positions at a time.
+
+    The fp32 (…, V) intermediates exist for one chunk at a time; in the backward pass each chunk is
+    recomputed (activation checkpointing), so a long vocabulary never sits in fp32 for the whole batch.
+    logits (..., V), tokens (...) → logprobs (...), entropy (...).
+    """
+    shape, V = tokens.shape, logits.shape[-1]
+    z, t = logits.reshape(-1, V), tokens.reshape(-1)
+    chunk = chunk if chunk > 0 else len(t)
+    parts = []
+    for i in range(0, len(t), chunk):
+        args = (z[i:i + chunk], t[i:i + chunk], temperature, with_entropy)
+        parts.append(checkpoint(_logprobs_entropy, *args, use_reentrant=False) if z.requires_grad
+                     else _logprobs_entropy(*args))
+    logprobs, entropy = (torch.cat(p).view(shape) for p in zip(*parts))
+    return logprobs, (entropy if with_entropy else None)
+
+
 # ---------------------------------------------------------------------------------------
 # Batches
 
@@ -186,10 +214,9 @@ def forward_logprobs(model, mb, temperature: float, dtype, with_entropy: bool, p
     with autocast(inputs["input_ids"].device, dtype):
         # logits only where they predict a response token: (B, Tr, V) or (K, V), never (B, Tq+Tr, V)
         logits = model(**inputs, logits_to_keep=Tr + 1 if keep is None else keep, use_cache=False).logits
-    logits = (logits[:, :-1] if keep is None else logits[0]).float() / temperature  # sampler: softmax(z / T)
+    logits = logits[:, :-1] if keep is None else logits[0]  # (B, Tr, V) or (K, V)
     targets = mb["responses"] if keep is None else mb["responses"][mask]
-    logprobs = logprobs_from_logits(logits, targets)
-    entropy = entropy_from_logits(logits) if with_entropy else None
+    logprobs, entropy = chunked_logprobs_entropy(logits, targets, temperature, with_entropy, LOGITS_CHUNK)
     if keep is not None:  # back from (K,) to (B, Tr)
         logprobs = torch.zeros(mask.shape, device=logits.device).masked_scatter(mask, logprobs)
         entropy = torch.zeros(mask.shape, device=logits.device).masked_scatter(mask, entropy) if with_entropy else None

@@ -6,7 +6,7 @@ import torch
 
 from critic import explained_variance, gae, value_loss
 from kl import KLController, kl_estimate, kl_penalty_rewards
-from ppo import (agg_loss, entropy_from_logits, grpo_advantages, logprobs_from_logits, masked_whiten, policy_loss,
+from ppo import (agg_loss, chunked_logprobs_entropy, entropy_from_logits, grpo_advantages, logprobs_from_logits, masked_whiten, policy_loss,
                  rloo_advantages, split_micro)
 
 
@@ -209,3 +209,17 @@ def test_explained_variance():
     returns, mask = torch.tensor([[1.0, 2.0, 3.0, 99.0]]), torch.tensor([[1.0, 1, 1, 0]])
     assert explained_variance(returns, returns, mask) == pytest.approx(1.0)
     assert explained_variance(torch.full((1, 4), 2.0), returns, mask) == pytest.approx(0.0)
+
+
+def test_chunked_logprobs_entropy_equal_whole_and_keep_gradients():
+    """Computing log-probs and entropy a few positions at a time (recomputed in backward) gives the
+    same values and the same gradients as the whole tensor at once."""
+    logits = torch.randn(3, 5, 17, requires_grad=True)
+    tokens = torch.randint(0, 17, (3, 5))
+    lp_full = logprobs_from_logits(logits.float() / 0.7, tokens)
+    ent_full = entropy_from_logits(logits.float() / 0.7)
+    (g_full,) = torch.autograd.grad((lp_full + 0.1 * ent_full).sum(), logits)
+    lp, ent = chunked_logprobs_entropy(logits, tokens, 0.7, True, chunk=4)
+    (g_chunk,) = torch.autograd.grad((lp + 0.1 * ent).sum(), logits)
+    assert torch.allclose(lp, lp_full, atol=1e-6) and torch.allclose(ent, ent_full, atol=1e-5)
+    assert torch.allclose(g_chunk, g_full, atol=1e-6)

@@ -1,0 +1,51 @@
+"""Peak memory of one training forward+backward through ppo.forward_logprobs, with and without
+chunked log-softmax/entropy (ppo.LOGITS_CHUNK). Each setting runs in a fresh subprocess.
+
+    python bench/logits_memory.py [--model models/SmolLM2-135M-Instruct] [--batch 16] [--response 64]
+"""
+import argparse
+import os
+import resource
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def one_run(model_path, batch, prompt, response, chunk):
+    import torch
+    sys.path.insert(0, ROOT)
+    import ppo
+    from transformers import AutoModelForCausalLM
+
+    ppo.LOGITS_CHUNK = chunk
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    V = model.config.vocab_size
+    mb = dict(queries=torch.randint(3, V, (batch, prompt)), query_mask=torch.ones(batch, prompt, dtype=torch.long),
+              responses=torch.randint(3, V, (batch, response)), response_mask=torch.ones(batch, response, dtype=torch.long))
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    logprobs, entropy = ppo.forward_logprobs(model, mb, 1.0, torch.bfloat16, True)
+    (logprobs.mean() + entropy.mean()).backward()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(f"{(peak - base) / 1024:.0f}")
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default=os.path.join(ROOT, "models/SmolLM2-135M-Instruct"))
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--prompt", type=int, default=40)
+    p.add_argument("--response", type=int, default=64)
+    p.add_argument("--chunk", type=int, default=None, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.chunk is not None:
+        one_run(a.model, a.batch, a.prompt, a.response, a.chunk)
+        sys.exit()
+    results = {}
+    for chunk in (0, 1024):
+        out = subprocess.run([sys.executable, __file__, "--model", a.model, "--batch", str(a.batch), "--prompt",
+                              str(a.prompt), "--response", str(a.response), "--chunk", str(chunk)],
+                             capture_output=True, text=True, check=True).stdout.split()[-1]
+        results[chunk] = float(out)
+    print(f"forward+backward peak memory above the loaded model, B={a.batch} Tq={a.prompt} Tr={a.response}: "
+          f"whole {results[0]:.0f} MB, chunked(1024) {results[1024]:.0f} MB, saving {results[0] - results[1024]:.0f} MB")
