@@ -59,7 +59,8 @@ def last_boxed(text: str):
         return None
     rest = text[start + len("\\boxed"):]
     if rest.startswith(" "):
-        return rest.strip().split("$")[0].split()[0] if rest.strip() else None
+        words = rest.split("$")[0].split()
+        return words[0] if words else None
     if not rest.startswith("{"):
         return None
     depth = 0
@@ -128,7 +129,9 @@ def load_reward_function(spec):
     → that function, imported from the file."""
     if not spec:
         return default_compute_score
-    path, _, name = spec.rpartition(":") if spec.rpartition(":")[0] else (spec, "", "compute_score")
+    path, sep, name = spec.rpartition(":")
+    if not sep:
+        path, name = spec, "compute_score"
     if not os.path.isfile(path):
         raise ValueError(f"reward.function: file {path} does not exist (expected path/to/file.py:function_name)")
     module_name = "custom_reward_" + re.sub(r"\W", "_", os.path.splitext(os.path.abspath(path))[0])
@@ -160,7 +163,8 @@ def as_score(result) -> tuple[float, dict]:
 
 
 def score_responses(compute_score, rows: list[dict], responses: list[str]) -> tuple[list[float], dict, int]:
-    """Score each (row, response) with compute_score(data_source, response, ground_truth, extra_info).
+    """Score each (row, response) with compute_score(data_source=, solution_str=, ground_truth=, extra_info=),
+    by keyword as verl calls it, so a custom function's argument order does not matter.
 
     Returns (scores, extras, errors): extras holds each extra numeric dict key's values, for logging
     as means. A call that raises or returns something unusable scores 0.0 and counts as an error,
@@ -171,7 +175,8 @@ def score_responses(compute_score, rows: list[dict], responses: list[str]) -> tu
     scores, extras, errors, first = [], {}, 0, None
     for row, response in zip(rows, responses):
         try:
-            score, more = as_score(compute_score(row["data_source"], response, row["ground_truth"], row["extra_info"]))
+            score, more = as_score(compute_score(data_source=row["data_source"], solution_str=response,
+                                                 ground_truth=row["ground_truth"], extra_info=row["extra_info"]))
         except Exception as e:
             score, more, errors = 0.0, {}, errors + 1
             first = first or f"{type(e).__name__}: {e}"

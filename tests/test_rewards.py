@@ -43,7 +43,7 @@ def test_last_boxed_balances_nested_braces():
     """The content of the last \\boxed{…} is read with balanced braces; a cut-off box gives None."""
     assert last_boxed(r"first \boxed{1} then \boxed{\frac{1}{2}} done") == r"\frac{1}{2}"
     assert last_boxed(r"\boxed{\sqrt{\frac{a}{b}}}") == r"\sqrt{\frac{a}{b}}"
-    assert last_boxed(r"$\boxed 5$") == "5"
+    assert last_boxed(r"$\boxed 5$") == "5" and last_boxed(r"\boxed $") is None
     assert last_boxed(r"\boxed{\frac{1}{2") is None
     assert last_boxed("no box") is None
 
@@ -157,8 +157,12 @@ def test_score_responses_counts_a_raising_function_and_carries_on():
     assert scores == [0.0, 1.0, 0.0] and errors == 2 and extras == {}
 
 
-def test_score_responses_passes_verl_arguments_in_order():
-    """compute_score gets (data_source, response, ground_truth, extra_info) for each sample."""
+def test_score_responses_passes_verl_keyword_arguments():
+    """compute_score is called by keyword as verl calls it, so any argument order works."""
     seen = []
-    rewards.score_responses(lambda *args: seen.append(args) or 0.0, ROWS[:2], ["x", "y"])
+
+    def reordered(solution_str, ground_truth, extra_info=None, data_source=None):
+        seen.append((data_source, solution_str, ground_truth, extra_info))
+        return 0.0
+    rewards.score_responses(reordered, ROWS[:2], ["x", "y"])
     assert seen == [("arithmetic", "x", "3", {"index": 0}), ("arithmetic", "y", "4", {"index": 1})]
