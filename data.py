@@ -16,6 +16,9 @@
 
 RL parquet layouts read by `load_rl_dataset`: ours (above), or verl's unchanged (prompt as chat
 messages, reward_model.ground_truth, data_source, extra_info, ability).
+
+The demo asks "a + b" in a one-shot chat and the `arithmetic` reward (rewards.py) wants the bare sum.
+On SmolLM2-135M-Instruct it starts near 0.3 greedy accuracy, leaving room to learn.
 """
 import argparse
 import json
@@ -26,8 +29,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'  # verl's wording
-ARITHMETIC_PROMPT = "What is {a} + {b}? Reply with only the number."
-ARITHMETIC_TWO_DIGIT_FRACTION = 0.5  # share of questions with a two-digit operand, chosen by measurement
+# The demo prompt is a one-shot chat: SmolLM2-135M-Instruct answers every plain-string wording we tried
+# ("What is 6 + 6? Reply with only the number.", …) with "The answer is 12.", which the strict reward
+# scores 0; one worked example turn makes it reply with the bare number.
+ARITHMETIC_SYSTEM = "Reply with only the number."
+ARITHMETIC_SHOT = ("2 + 3", "5")
+ARITHMETIC_TWO_DIGIT_FRACTION = 0.1  # share with a two-digit operand (greedy accuracy there: 0.0)
 HH_ASSISTANT = "\n\nAssistant:"
 
 
@@ -58,10 +65,13 @@ def require_columns(table: pa.Table, path: str, names: list[str]) -> None:
         raise DataError(f"{path}: the file has 0 rows")
 
 
-def is_messages(prompt) -> bool:
-    """True for a chat: a non-empty list of {"role": str, "content": str} dicts."""
-    return (isinstance(prompt, list) and len(prompt) > 0 and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt))
+def check_prompt(prompt, where: str) -> None:
+    """Raise unless prompt is text or a chat: a non-empty list of {"role": str, "content": str} dicts."""
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt)):
+        return
+    raise DataError(f"{where}`prompt` must be a string or a list of {{role, content}} messages, "
+                    f"got {type(prompt).__name__} {str(prompt)[:80]!r}")
 
 
 def ground_truth_of(row: dict):
@@ -101,7 +111,8 @@ def tokenize_prompts(texts: list[str], tokenizer) -> list[list[int]]:
 def load_rl_dataset(path: str, tokenizer, max_prompt_length: int, truncation: str) -> tuple[list[dict], dict]:
     """Read RL prompts (ours or verl's layout) and tokenize them; returns (rows, stats).
 
-    rows: {"prompt_ids", "prompt_text", "ground_truth", "data_source", "extra_info"};
+    rows: {"prompt_ids", "prompt_text", "ground_truth", "data_source", "extra_info", "prompt" (as stored:
+    text or chat messages, for a reward model that renders it with its own template)};
     stats: {"rows": read, "kept": returned, "truncated": left-truncated, "filtered": dropped as too long}.
     truncation: "error" raises on a prompt longer than max_prompt_length tokens, "left" keeps its last
     max_prompt_length tokens (prompt_text is then the decoded kept tokens), "filter" drops the row.
@@ -110,16 +121,13 @@ def load_rl_dataset(path: str, tokenizer, max_prompt_length: int, truncation: st
         raise DataError(f"data.truncation must be error, left or filter, got {truncation!r}")
     table = read_parquet(path)
     require_columns(table, path, ["prompt"])
-    raw = table.to_pylist()
+    raw, texts = table.to_pylist(), []
     for i, row in enumerate(raw):
-        p = row["prompt"]
-        if not (isinstance(p, str) or is_messages(p)):
-            raise DataError(f"{path} row {i}: `prompt` must be a string or a list of {{role, content}} messages, "
-                            f"got {type(p).__name__} {str(p)[:80]!r}")
-        if not isinstance(p, str) and tokenizer.chat_template is None:
+        check_prompt(row["prompt"], f"{path} row {i}: ")
+        if not isinstance(row["prompt"], str) and tokenizer.chat_template is None:
             raise DataError(f"{path} row {i}: the prompt is a list of chat messages but the tokenizer has no "
                             f"chat_template; use a tokenizer with one (model.tokenizer_path) or store prompts as text")
-    texts = [render_prompt(row["prompt"], tokenizer) for row in raw]
+        texts.append(render_prompt(row["prompt"], tokenizer))
     rows, truncated, filtered = [], 0, 0
     for i, (row, text, ids) in enumerate(zip(raw, texts, tokenize_prompts(texts, tokenizer))):
         if len(ids) > max_prompt_length:
@@ -133,7 +141,8 @@ def load_rl_dataset(path: str, tokenizer, max_prompt_length: int, truncation: st
             ids, truncated = ids[-max_prompt_length:], truncated + 1
             text = tokenizer.decode(ids, skip_special_tokens=False)
         rows.append({"prompt_ids": ids, "prompt_text": text, "ground_truth": ground_truth_of(row),
-                     "data_source": row.get("data_source") or "unknown", "extra_info": row.get("extra_info") or {}})
+                     "data_source": row.get("data_source") or "unknown", "extra_info": row.get("extra_info") or {},
+                     "prompt": row["prompt"]})
     if not rows:
         raise DataError(f"{path}: all {len(raw)} prompts are longer than data.max_prompt_length={max_prompt_length} "
                         f"and were filtered; raise data.max_prompt_length")
@@ -143,9 +152,9 @@ def load_rl_dataset(path: str, tokenizer, max_prompt_length: int, truncation: st
 def load_preferences(path: str) -> tuple[list[dict], dict]:
     """Read preference pairs for the reward-model stage; returns (rows, stats).
 
-    Columns: prompt, chosen, rejected (strings), optional margin (float). chosen/rejected are the
-    *responses only*: the caller prepends the prompt. When prompt is the empty string, chosen and
-    rejected are whole conversations (HH-RLHF style) and are used as they are.
+    Columns: prompt (text, or chat messages as in the RL layout), chosen, rejected (strings), optional
+    margin (float). chosen/rejected are the *responses only*: the caller prepends the prompt. When prompt
+    is the empty string, chosen and rejected are whole conversations (HH-RLHF style) used as they are.
     Rows whose chosen == rejected teach nothing and are dropped.
     rows: {"prompt", "chosen", "rejected", "margin" (0.0 when absent)};
     stats: {"rows": read, "kept": returned, "identical_dropped": dropped}.
@@ -154,15 +163,13 @@ def load_preferences(path: str) -> tuple[list[dict], dict]:
     require_columns(table, path, ["prompt", "chosen", "rejected"])
     rows, identical = [], 0
     for i, row in enumerate(table.to_pylist()):
-        for key in ("prompt", "chosen", "rejected"):
-            if not isinstance(row[key], str):
-                raise DataError(f"{path} row {i}: `{key}` must be a string, got {type(row[key]).__name__}")
+        check_prompt(row["prompt"], f"{path} row {i}: ")
+        if not (isinstance(row["chosen"], str) and isinstance(row["rejected"], str)):
+            raise DataError(f"{path} row {i}: `chosen` and `rejected` must be strings")
         if row["chosen"] == row["rejected"]:
             identical += 1
             continue
-        margin = row.get("margin")
-        rows.append({"prompt": row["prompt"], "chosen": row["chosen"], "rejected": row["rejected"],
-                     "margin": 0.0 if margin is None else float(margin)})
+        rows.append({**{k: row[k] for k in ("prompt", "chosen", "rejected")}, "margin": float(row.get("margin") or 0.0)})
     if not rows:
         raise DataError(f"{path}: all {identical} pairs have chosen == rejected; nothing to learn from")
     return rows, {"rows": table.num_rows, "kept": len(rows), "identical_dropped": identical}
@@ -208,13 +215,19 @@ def arithmetic_question(rng: random.Random) -> tuple[int, int]:
     return a, b
 
 
+def arithmetic_prompt(a: int, b: int) -> list[dict]:
+    """The chat asking for a + b: the system instruction, one worked example, the question."""
+    return [{"role": "system", "content": ARITHMETIC_SYSTEM}, {"role": "user", "content": ARITHMETIC_SHOT[0]},
+            {"role": "assistant", "content": ARITHMETIC_SHOT[1]}, {"role": "user", "content": f"{a} + {b}"}]
+
+
 def make_arithmetic(n: int, seed: int) -> list[dict]:
     """n addition prompts in our RL layout; the strict `arithmetic` reward wants only the number."""
     rng = random.Random(seed)
     rows = []
     for i in range(n):
         a, b = arithmetic_question(rng)
-        rows.append({"prompt": ARITHMETIC_PROMPT.format(a=a, b=b), "ground_truth": str(a + b),
+        rows.append({"prompt": arithmetic_prompt(a, b), "ground_truth": str(a + b),
                      "data_source": "arithmetic", "extra_info": {"index": i, "a": a, "b": b}})
     return rows
 
@@ -228,11 +241,10 @@ def make_arithmetic_preferences(n: int, seed: int) -> list[dict]:
         a, b = arithmetic_question(rng)
         c = a + b
         if wrong_rng.random() < 2 / 3:
-            wrong = c + wrong_rng.choice([d for d in (-3, -2, -1, 1, 2, 3) if c + d >= 0])
-            rejected = str(wrong)
+            rejected = str(c + wrong_rng.choice([d for d in (-3, -2, -1, 1, 2, 3) if c + d >= 0]))
         else:
             rejected = wrong_rng.choice([f"The answer is {c}.", f"{a} + {b} = {c}", f"{c}\n{c}"])
-        rows.append({"prompt": ARITHMETIC_PROMPT.format(a=a, b=b), "chosen": str(c), "rejected": rejected})
+        rows.append({"prompt": arithmetic_prompt(a, b), "chosen": str(c), "rejected": rejected})
     return rows
 
 
@@ -281,12 +293,12 @@ def convert_row(row: dict, kind: str, index: int) -> dict:
         prompt, chosen, rejected = split_hh(str(row["chosen"]), str(row["rejected"]))
         return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
     if kind == "preference":
+        check_prompt(row["prompt"], "")
+        if not (isinstance(row["chosen"], str) and isinstance(row["rejected"], str)):
+            raise ValueError("`chosen` and `rejected` must be strings")
         out = {k: row[k] for k in ("prompt", "chosen", "rejected")}
-        if not all(isinstance(v, str) for v in out.values()):
-            raise ValueError("prompt, chosen and rejected must be strings")
         return {**out, "margin": float(row["margin"])} if row.get("margin") is not None else out
-    if not (isinstance(row["prompt"], str) or is_messages(row["prompt"])):
-        raise ValueError("`prompt` must be a string or a list of {role, content} messages")
+    check_prompt(row["prompt"], "")
     if not isinstance(row.get("extra_info") or {}, dict):
         raise ValueError("`extra_info` must be an object")
     return {"prompt": row["prompt"], "ground_truth": ground_truth_of(row),
@@ -330,7 +342,7 @@ def main(argv=None) -> None:
     parser.add_argument("--val-fraction", type=float, default=0.05, help="share of --input rows held out as val")
     parser.add_argument("--train-size", type=int, default=2000, help="--task rows in train.parquet")
     parser.add_argument("--val-size", type=int, default=200, help="--task rows in val.parquet")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed for the demo rows or the train/val split")
     args = parser.parse_args(argv)
     if (args.input is None) == (args.task is None):
         parser.error("give exactly one of --input or --task")
@@ -341,9 +353,9 @@ def main(argv=None) -> None:
             make = make_arithmetic if args.task == "arithmetic" else make_arithmetic_preferences
             rows = make(args.train_size + args.val_size, args.seed)
             write_split(rows[:args.train_size], rows[args.train_size:], args.output)
+        elif not os.path.isfile(args.input):
+            raise DataError(f"input file {args.input} does not exist")
         else:
-            if not os.path.isfile(args.input):
-                raise DataError(f"input file {args.input} does not exist")
             write_split(*split_rows(convert_jsonl(args.input), args.val_fraction, args.seed), args.output)
     except DataError as e:
         raise SystemExit(f"data.py: {e}")

@@ -50,11 +50,13 @@ VERL = [{"data_source": r["data_source"], "prompt": [{"role": "user", "content":
 
 
 def test_ours_and_verl_layouts_load_the_same_rows(tmp_path):
-    """A string prompt with ground_truth and verl's messages with reward_model.ground_truth give equal rows."""
+    """A string prompt with ground_truth and verl's messages with reward_model.ground_truth give equal rows
+    (but for `prompt`, which is kept as stored)."""
     tok = tiny_tokenizer()
     ours, stats = data.load_rl_dataset(write(tmp_path, "ours.parquet", OURS), tok, 64, "error")
     verl, _ = data.load_rl_dataset(write(tmp_path, "verl.parquet", VERL), tok, 64, "error")
-    assert ours == verl
+    drop = lambda rows: [{k: v for k, v in r.items() if k != "prompt"} for r in rows]
+    assert drop(ours) == drop(verl) and ours[0]["prompt"] == OURS[0]["prompt"] and verl[0]["prompt"] == VERL[0]["prompt"]
     assert [r["ground_truth"] for r in ours] == ["3", "9"] and ours[0]["extra_info"] == {"index": 0}
     assert stats == {"rows": 2, "kept": 2, "truncated": 0, "filtered": 0}
 
@@ -206,7 +208,7 @@ def test_generators_are_deterministic_and_correct():
     assert data.make_arithmetic(50, 3) == data.make_arithmetic(50, 3) != data.make_arithmetic(50, 4)
     for r in data.make_arithmetic(200, 0):
         a, b = r["extra_info"]["a"], r["extra_info"]["b"]
-        assert r["ground_truth"] == str(a + b) and r["prompt"] == data.ARITHMETIC_PROMPT.format(a=a, b=b)
+        assert r["ground_truth"] == str(a + b) and r["prompt"] == data.arithmetic_prompt(a, b)
         assert r["data_source"] == "arithmetic" and max(a, b) <= 99
     prefs = data.make_arithmetic_preferences(200, 0)
     assert prefs == data.make_arithmetic_preferences(200, 0)
@@ -243,6 +245,8 @@ def test_cli_task_arithmetic_writes_train_and_val(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert f"wrote {out}/train.parquet (30 rows)" in proc.stdout and f"wrote {out}/val.parquet (6 rows)" in proc.stdout
     assert pq.read_table(out / "train.parquet").to_pylist() == data.make_arithmetic(36, 0)[:30]
+    rows, _ = data.load_rl_dataset(str(out / "val.parquet"), tiny_tokenizer(), 128, "error")
+    assert rows[0]["prompt_text"].startswith("<s><|system|> Reply with only the number. <|user|> 2 + 3 <|assistant|> 5 ")
 
 
 def test_cli_task_arithmetic_preferences(tmp_path):
