@@ -1,0 +1,286 @@
+"""Benchmark ppo.py: seconds per PPO step on a random Llama of a given size, fixed-length responses.
+
+    .venv/bin/python bench/ppo_bench.py                          # default: hidden 128, 2 layers, Tr 32, 16 seqs/step
+    .venv/bin/python bench/ppo_bench.py --preset large           # hidden 256, 4 layers, Tr 64, 32 seqs/step
+    .venv/bin/python bench/ppo_bench.py --gc-freeze              # gc.freeze(); gc.disable() before ppo.main
+    .venv/bin/python bench/ppo_bench.py --vary-lengths --packing both   # lengths ~ U[8, Tr]; padded vs packed
+    .venv/bin/python bench/ppo_bench.py --hidden 896 --layers 24 --heads 14 --kv-heads 2 --vocab 32000 \
+        --intermediate 4864 --dtype bf16                          # a Qwen2-0.5B-like shape (GPU)
+    .venv/bin/python bench/compare.py                            # ours vs TRL, both presets, a table
+
+Prints, as its last line (one line per run with --packing both):
+    PPO steps=N seconds_per_step=X peak_rss_mb=Y tokens_per_s=Z packing=off vary_lengths=0 gc=shipped
+
+The workload: GAE with a critic, β·KL in the reward (k1, fixed β), no KL loss, full fine-tune, fp32 by
+default, HF generate with `rollout.ignore_eos=true` so every response is exactly Tr tokens; 2 mini-batches
+of one micro-batch each, 1 PPO epoch. The model, tokenizer, reward model and prompts are built once under
+--workdir from the size alone (random weights; nothing is downloaded).
+
+What is timed: ppo.py writes `time/step_s` (sample prompts → sync weights, before validation and
+checkpoints) for every step to metrics.jsonl; seconds_per_step is their mean over steps 2..N (step 1 is
+warm-up); tokens_per_s = prompt + response tokens of those steps / their seconds. Model loading, the
+final checkpoint and the saved model are outside it. peak_rss_mb is the peak resident memory of the
+child process that runs ppo.main (os.wait4's ru_maxrss), which includes loading.
+
+ppo.py runs in a child process, `ppo.main(cfg)` called in-process there, so that this script can freeze the
+garbage collector (--gc-freeze) or cut each generated response to a random length (--vary-lengths: a
+wrapper around the rollout's `generate` that pads the tail and clears its mask) without changing ppo.py.
+"""
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PRESETS = {  # sequences per step = prompts × samples; 2 mini-batches
+    "default": dict(hidden=128, layers=2, heads=2, response_length=32, sequences=16),
+    "large": dict(hidden=256, layers=4, heads=2, response_length=64, sequences=32),
+}
+SAMPLES_PER_PROMPT = 4
+MIN_VARIED_LENGTH = 8
+CHAT_TEMPLATE = (  # as tests/conftest.py
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+REWARD_FILE = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return sum(c.isdigit() for c in solution_str) / 8.0
+'''
+
+
+# ---------------------------------------------------------------------------------------
+# The workload: tokenizer, policy, reward model and prompts, made from the size alone
+
+
+def make_tokenizer(texts: list[str], vocab: int):
+    """Byte-level BPE trained on `texts`, filled up to exactly `vocab` ids with <x…> tokens.
+
+    EOS is <|im_end|>, pad is <|endoftext|>: distinct, because TRL treats every pad id in a sequence
+    as padding, and the chat template writes <|im_end|> inside each prompt.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=min(vocab, 400), special_tokens=["<|endoftext|>", "<|im_start|>",
+                                  "<|im_end|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                        pad_token="<|endoftext|>", unk_token="<|endoftext|>",
+                                        chat_template=CHAT_TEMPLATE)
+    if len(tokenizer) > vocab:
+        sys.exit(f"ppo_bench.py: --vocab {vocab} is below the {len(tokenizer)} tokens the byte-level BPE needs")
+    tokenizer.add_tokens([f"<x{i}>" for i in range(vocab - len(tokenizer))])
+    return tokenizer
+
+
+def build_workload(root: str, size: dict) -> str:
+    """root/model (causal LM), root/rm (sequence classifier, 1 label), root/train.parquet, root/reward.py."""
+    if os.path.exists(os.path.join(root, "READY")):
+        return root
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, LlamaConfig
+
+    sys.path.insert(0, REPO)
+    import data
+
+    rows = data.make_arithmetic(512, seed=0)
+    texts = [m["content"] for r in rows for m in r["prompt"]] + ["system user assistant The answer is"] * 8
+    tokenizer = make_tokenizer(texts, size["vocab"])
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=size["hidden"],
+                         intermediate_size=size["intermediate"], num_hidden_layers=size["layers"],
+                         num_attention_heads=size["heads"], num_key_value_heads=size["kv_heads"],
+                         max_position_embeddings=1024, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         tie_word_embeddings=False, num_labels=1)
+    tmp = root + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    for name, cls, seed in [("model", AutoModelForCausalLM, 0), ("rm", AutoModelForSequenceClassification, 1)]:
+        torch.manual_seed(seed)
+        cls.from_config(config, dtype=torch.float32).save_pretrained(os.path.join(tmp, name))
+        tokenizer.save_pretrained(os.path.join(tmp, name))
+    data.write_parquet(rows, os.path.join(tmp, "train.parquet"))
+    with open(os.path.join(tmp, "reward.py"), "w") as f:
+        f.write(REWARD_FILE)
+    open(os.path.join(tmp, "READY"), "w").close()
+    shutil.rmtree(root, ignore_errors=True)
+    os.replace(tmp, root)
+    return root
+
+
+def size_of(args) -> dict:
+    preset = PRESETS[args.preset]
+    hidden = args.hidden or preset["hidden"]
+    heads = args.heads or preset["heads"]
+    return dict(hidden=hidden, layers=args.layers or preset["layers"], heads=heads,
+                kv_heads=args.kv_heads or heads, vocab=args.vocab, intermediate=args.intermediate or 2 * hidden,
+                response_length=args.response_length or preset["response_length"],
+                sequences=args.sequences or preset["sequences"])
+
+
+def workdir_of(args, size: dict) -> str:
+    key = "h{hidden}_l{layers}_a{heads}_kv{kv_heads}_v{vocab}_i{intermediate}".format(**size)
+    return os.path.join(args.workdir, key)
+
+
+def common_args(parser: argparse.ArgumentParser) -> None:
+    """The options ppo_bench.py and trl_bench.py share."""
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="default")
+    parser.add_argument("--steps", type=int, default=20, help="PPO steps; step 1 is warm-up, not timed")
+    parser.add_argument("--hidden", type=int, help="override the preset's hidden size")
+    parser.add_argument("--layers", type=int, help="override the preset's number of layers")
+    parser.add_argument("--heads", type=int, help="attention heads (head_dim = hidden / heads)")
+    parser.add_argument("--kv-heads", type=int, help="key/value heads (default: --heads)")
+    parser.add_argument("--vocab", type=int, default=1024, help="vocabulary size")
+    parser.add_argument("--intermediate", type=int, help="MLP width (default 2 × hidden, as tests/conftest.py)")
+    parser.add_argument("--response-length", type=int, help="override the preset's fixed response length")
+    parser.add_argument("--sequences", type=int, help="override the preset's sequences per step")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="compute dtype")
+    parser.add_argument("--gc-freeze", action="store_true", help="gc.freeze(); gc.disable() for the training loop")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch/OpenMP threads in the run (0: torch's default, one per core); on a busy "
+                             "machine 1 avoids OpenMP threads spinning against other processes")
+    parser.add_argument("--workdir", default="/tmp/ppo_bench", help="where models, data and runs go")
+
+
+def run_child(cmd: list[str], log_path: str, threads: int = 0) -> float:
+    """Run cmd with its output in log_path; return its peak RSS in MB, or exit with the log's tail."""
+    env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)} if threads else {}))
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(proc.pid, 0)  # this child's own rusage, not the max over all children
+        proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        with open(log_path) as f:
+            sys.exit(f"{cmd[1]}: the run failed (exit {proc.returncode}); the end of {log_path}:\n" + f.read()[-4000:])
+    return usage.ru_maxrss / 1024  # Linux reports KB
+
+
+def result_line(name: str, steps: int, step_seconds: list, step_tokens: list, rss: float, **tags) -> str:
+    sps = sum(step_seconds) / len(step_seconds)
+    tps = sum(step_tokens) / sum(step_seconds)
+    extra = "".join(f" {k}={v}" for k, v in tags.items())
+    return f"{name} steps={steps} seconds_per_step={sps:.4f} peak_rss_mb={rss:.0f} tokens_per_s={tps:.1f}{extra}"
+
+
+# ---------------------------------------------------------------------------------------
+# The child: ppo.main in this process, with the wrappers asked for
+
+
+def cut_to_random_lengths(generate, low: int, seed: int):
+    """Wrap Rollout.generate: each response keeps a uniform random length in [low, Tr], the rest is padding."""
+    import torch
+    rng = torch.Generator().manual_seed(seed)
+
+    def wrapped(self, prompts, n, temperature, seed=None):
+        ro = generate(self, prompts, n, temperature, seed=seed)
+        B, Tr = ro.responses.shape
+        lengths = torch.randint(min(low, Tr), Tr + 1, (B,), generator=rng)  # (B,)
+        keep = torch.arange(Tr)[None, :] < lengths[:, None]  # (B, Tr)
+        ro.responses = ro.responses.masked_fill(~keep, self.pad_id)
+        ro.response_mask = ro.response_mask * keep
+        if ro.logprobs is not None:
+            ro.logprobs = ro.logprobs * keep
+        return ro
+
+    return wrapped
+
+
+def child(spec: dict) -> None:
+    sys.path.insert(0, REPO)
+    import gc
+
+    import config
+    import ppo
+    import rollout
+
+    cfg = config.load_config(os.path.join(REPO, "configs.yaml"), spec["overrides"])
+    if spec["vary_lengths"]:
+        for cls in (rollout.HFRollout, rollout.VLLMRollout):
+            cls.generate = cut_to_random_lengths(cls.generate, MIN_VARIED_LENGTH, cfg.trainer.seed)
+    if spec["gc_freeze"]:
+        gc.collect()
+        gc.freeze()
+        gc.disable()
+    ppo.main(cfg)
+
+
+# ---------------------------------------------------------------------------------------
+# The parent: build, run, read metrics.jsonl, print
+
+
+def reward_overrides(choice: str, root: str) -> list[str]:
+    """reward.type=model (as TRL, a sequence classifier's score) where reward_model.py can serve it, else a rule."""
+    have_rm = os.path.exists(os.path.join(REPO, "reward_model.py")) and \
+        "class RewardModelScorer" in open(os.path.join(REPO, "reward_model.py")).read()
+    if choice == "model" or (choice == "auto" and have_rm):
+        return ["reward.type=model", f"reward.model_path={root}/rm"]
+    return ["reward.type=rule", f"reward.function={root}/reward.py:compute_score"]
+
+
+def run_ours(args, size: dict, root: str, packing: bool) -> str:
+    prompts = size["sequences"] // SAMPLES_PER_PROMPT
+    tag = f"ours_Tr{size['response_length']}_S{size['sequences']}_p{int(packing)}_v{int(args.vary_lengths)}"
+    out = os.path.join(root, "runs", tag)
+    shutil.rmtree(out, ignore_errors=True)
+    overrides = [
+        f"model.path={root}/model", f"model.dtype={args.dtype}", "model.lora_rank=0",
+        f"model.use_remove_padding={str(packing).lower()}",
+        f"data.train_files={root}/train.parquet", "data.val_files=null", f"data.train_batch_size={prompts}",
+        f"rollout.name={args.rollout}", f"rollout.n={SAMPLES_PER_PROMPT}", "rollout.ignore_eos=true",
+        f"rollout.max_response_length={size['response_length']}", "rollout.temperature=1.0",
+        f"rollout.dtype={args.dtype}",
+        "algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true", "algorithm.use_kl_loss=false",
+        "algorithm.kl_penalty=k1", "algorithm.kl_ctrl.type=fixed",
+        f"actor.ppo_mini_batch_size={prompts // 2}", "actor.ppo_epochs=1",
+        f"trainer.total_steps={args.steps}", f"trainer.output_dir={out}", "trainer.resume=off",
+        "trainer.val_before_train=false", "trainer.test_freq=0", "trainer.save_freq=0", "trainer.sample_freq=0",
+        "trainer.max_kl=0", "trainer.plot_curves=false", f"trainer.seed={args.seed}",
+        *reward_overrides(args.reward, root), *args.override]
+    spec = dict(overrides=overrides, gc_freeze=args.gc_freeze, vary_lengths=args.vary_lengths)
+    os.makedirs(out, exist_ok=True)
+    rss = run_child([sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)],
+                    os.path.join(out, "log.txt"), args.threads)
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        steps = [m for m in map(json.loads, f) if m["step"] > 1]  # step 1 is warm-up
+    if not steps:
+        sys.exit("ppo_bench.py: --steps must be at least 2 (step 1 is warm-up and not timed)")
+    seconds = [m["time/step_s"] for m in steps]
+    tokens = [m["perf/tokens_per_s"] * m["time/step_s"] for m in steps]
+    phases = sorted({k for m in steps for k in m if k.startswith("time/") and k != "time/step_s"})
+    print("phases (mean s/step): " + "  ".join(
+        f"{k[5:-2]} {sum(m.get(k, 0.0) for m in steps) / len(steps):.4f}" for k in phases), flush=True)
+    return result_line("PPO", args.steps, seconds, tokens, rss, packing="on" if packing else "off",
+                       vary_lengths=int(args.vary_lengths), gc="frozen" if args.gc_freeze else "shipped",
+                       threads=args.threads or "default")
+
+
+def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        return child(json.loads(sys.argv[2]))
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common_args(parser)
+    parser.add_argument("--vary-lengths", action="store_true",
+                        help=f"cut each response to a uniform random length in [{MIN_VARIED_LENGTH}, Tr]")
+    parser.add_argument("--packing", choices=["off", "on", "both"], default="off",
+                        help="model.use_remove_padding; both = one run each")
+    parser.add_argument("--reward", choices=["auto", "model", "rule"], default="auto",
+                        help="auto: the random reward model where reward_model.py serves one, else a rule")
+    parser.add_argument("--rollout", choices=["hf", "vllm"], default="hf")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--override", action="append", default=[], help="extra ppo.py key=value (repeatable)")
+    args = parser.parse_args()
+    size = size_of(args)
+    if size["sequences"] % (2 * SAMPLES_PER_PROMPT):
+        sys.exit(f"ppo_bench.py: --sequences must be a multiple of {2 * SAMPLES_PER_PROMPT} (2 mini-batches of "
+                 f"{SAMPLES_PER_PROMPT} samples per prompt)")
+    root = build_workload(workdir_of(args, size), size)
+    for packing in {"off": [False], "on": [True], "both": [False, True]}[args.packing]:
+        print(run_ours(args, size, root, packing), flush=True)
+
+
+if __name__ == "__main__":
+    main()
