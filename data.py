@@ -18,7 +18,8 @@ RL parquet layouts read by `load_rl_dataset`: ours (above), or verl's unchanged 
 messages, reward_model.ground_truth, data_source, extra_info, ability).
 
 The demo asks "a + b" in a one-shot chat and the `arithmetic` reward (rewards.py) wants the bare sum.
-On SmolLM2-135M-Instruct it starts near 0.3 greedy accuracy, leaving room to learn.
+On SmolLM2-135M-Instruct, make_arithmetic(200, 0) scores 0.27 greedy and 0.11 sampled at T=1.0
+(one-digit sums 0.29 / 0.12, two-digit 0.0 / 0.0): room to learn.
 """
 import argparse
 import json
