@@ -165,10 +165,16 @@ class VLLMRollout:
             # trainer's too), and fails when that is ≤ 0; ask instead for what 256 full-length sequences need.
             kv_bytes = kv_cache_bytes(unwrap(model).config, 256 * max_len, self.dtype)
             memory = dict(max_num_seqs=256, kv_cache_memory_bytes=kv_bytes)
+        # With N processes every rank owns an engine. "external_launcher" (TRL's colocate mode does the same) makes
+        # vLLM join the process group accelerate made instead of starting its own, and put the engine on the
+        # device LOCAL_RANK names; checked with 2 processes on CPU (gloo), FSDP2 and LoRA included.
+        distributed = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+        self.rank = torch.distributed.get_rank() if distributed else 0
+        backend = "external_launcher" if distributed else None
         self.llm = LLM(model=cfg.model.path, tokenizer=cfg.model.tokenizer_path or cfg.model.path,
                        dtype=self.dtype, seed=cfg.trainer.seed, enforce_eager=cfg.rollout.enforce_eager,
                        max_model_len=max_len, enable_prefix_caching=True, logprobs_mode="processed_logprobs",
-                       enable_sleep_mode=self.sleeps, **memory)
+                       enable_sleep_mode=self.sleeps, distributed_executor_backend=backend, **memory)
         self.asleep = False
         self.sync_weights(model)
 
@@ -179,9 +185,9 @@ class VLLMRollout:
 
         self.wake_up()
         cfg, greedy = self.cfg, temperature == 0
-        # vLLM seeds sample j of a request with seed_i + j; drawing each prompt's seed_i from `seed` makes the
-        # same call return the same samples.
-        rng = random.Random(seed)
+        # vLLM seeds sample j of a request with seed_i + j; drawing each prompt's seed_i from (`seed`, rank) makes
+        # the same call return the same samples, and ranks draw different ones.
+        rng = random.Random(f"{seed}/{self.rank}")
         params = [SamplingParams(n=1 if greedy else n, temperature=temperature, top_p=cfg.top_p,
                                  top_k=max(cfg.top_k, 0), max_tokens=cfg.max_response_length,
                                  stop_token_ids=sorted(self.eos_ids), detokenize=False,

@@ -7,6 +7,8 @@ syncs the weights it needs into it, so the tests do not depend on their order.
 """
 import copy
 import importlib.util
+import os
+import subprocess
 import sys
 
 import pytest
@@ -33,7 +35,7 @@ def make_config(model_dir, dtype="fp32", name="vllm"):
 
 
 class FakeAccelerator:
-    """What make_rollout reads from accelerate's Accelerator, for one process."""
+    """What make_rollout reads from accelerate's Accelerator."""
     is_main_process = True
     distributed_type = type("DistributedType", (), {"name": "NO"})
     num_processes = 1
@@ -191,13 +193,20 @@ def test_sampler_logprobs_match_recomputed_logprobs(engine, random_model, prompt
 
 @vllm_test
 def test_same_seed_same_samples_other_seed_other_samples(engine, random_model, prompts):
-    """At T=1 two calls with the same seed return identical responses and logprobs; another seed differs."""
+    """At T=1 two calls with the same seed return identical responses and logprobs; another seed differs,
+    and so does the same seed on another rank (ranks must not draw the same noise)."""
     rollout = engine("fp32")
     rollout.sync_weights(random_model)
     batch = prompts[:4]
     a, b, c = (rollout.generate(batch, 3, 1.0, seed=s) for s in (7, 7, 8))
     assert torch.equal(a.responses, b.responses) and torch.equal(a.logprobs, b.logprobs)
     assert not torch.equal(a.responses, c.responses)
+    rollout.rank = 1
+    try:
+        d = rollout.generate(batch, 3, 1.0, seed=7)
+    finally:
+        rollout.rank = 0
+    assert not torch.equal(a.responses, d.responses)
 
 
 # ---- the Rollout contract
@@ -235,6 +244,56 @@ def test_rollout_rows_order_eos_and_masks(engine, hello_model, random_model, tok
         for j in range(n):
             row = greedy.responses[i * n + j]
             assert torch.equal(row[:len(alone)], alone) and (row[len(alone):] == tokenizer.pad_token_id).all()
+
+
+# ---- several processes
+
+FSDP_WORKER = """
+import sys, torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from rollout import HFRollout, make_rollout
+from test_rollout import FakeAccelerator, chat, fit, make_config
+
+dist.init_process_group("gloo")
+rank, path = dist.get_rank(), sys.argv[1]
+tokenizer = AutoTokenizer.from_pretrained(path)
+prompts = [chat(tokenizer, f"What is {a} + {rank}?") for a in range(3)]
+model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+with torch.no_grad():
+    model.lm_head.weight *= 30
+model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+torch.manual_seed(0)
+shared = [chat(tokenizer, "What is 1 + 1?")]
+fit(model, tokenizer, shared, ["hello"], steps=3, lr=1e-2)  # lora_B ≠ 0; the same model on every rank
+reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)  # the same weights, unsharded
+with torch.no_grad():
+    reference.lm_head.weight *= 30
+reference = get_peft_model(reference, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+reference.load_state_dict(model.state_dict())
+for layer in model.base_model.model.model.layers:
+    fully_shard(layer)
+fully_shard(model)
+rollout = make_rollout(make_config(path), model, tokenizer, FakeAccelerator())
+same = torch.equal(rollout.generate(prompts, 1, 0.0).responses,
+                   HFRollout(reference, tokenizer, make_config(path).rollout).generate(prompts, 1, 0.0).responses)
+print(f"rank {rank}: greedy equal {same}", flush=True)
+"""
+
+
+@vllm_test
+def test_two_processes_each_own_an_engine_synced_from_fsdp2_lora(tmp_path, tiny_model_dir):
+    """Under torchrun with 2 processes (gloo) every rank builds its own engine inside the existing process group,
+    fills it from an FSDP2-sharded LoRA model, and samples what HF samples from the same unsharded weights."""
+    script = tmp_path / "worker.py"
+    script.write_text(FSDP_WORKER)
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([os.path.dirname(tests), tests]))
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script),
+                          tiny_model_dir], env=env, capture_output=True, text=True, timeout=600)
+    lines = sorted(line for line in out.stdout.splitlines() if line.startswith("rank "))
+    assert lines == [f"rank {r}: greedy equal True" for r in (0, 1)], out.stderr[-3000:]
 
 
 # ---- fallback
