@@ -12,7 +12,6 @@ on a shared machine it decides the figures more than anything here.
 """
 import argparse
 import os
-import statistics
 import subprocess
 import sys
 import time

@@ -9,8 +9,8 @@ Prints, as its last line:
     TRL steps=N seconds_per_step=X peak_rss_mb=Y tokens_per_s=Z gc=shipped
 
 The same workload as ours: the same random Llama (policy and reference), a sequence classifier of the same
-shape as value model and reward model (TRL needs a reward *model*), the same prompts (ppo_bench.py builds
-them all under --workdir), S sequences per step (TRL samples one response per prompt, so S prompts where
+shape as value model and reward model (TRL needs a reward *model*), the same prompts (bench/workload.py
+builds them all under --workdir), S sequences per step (TRL samples one response per prompt, so S prompts where
 ours takes S/4 prompts × 4), fixed-length responses (`stop_token=None`: no EOS truncation, generation runs
 `response_length` tokens; checked on every batch), 2 mini-batches of one micro-batch each
 (per_device_train_batch_size=S, gradient_accumulation_steps=1, num_mini_batches=2), 1 PPO epoch,
@@ -34,8 +34,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ppo_bench import (REPO, build_workload, common_args, result_line, run_child, size_of,  # noqa: E402
-                       workdir_of)
+from workload import REPO, build_workload, common_args, result_line, run_child, size_of, workdir_of  # noqa: E402
 
 
 def child(spec: dict) -> None:
