@@ -33,7 +33,6 @@ from collections import defaultdict
 from contextlib import nullcontext
 
 import torch
-import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch.utils.checkpoint import checkpoint
@@ -41,9 +40,9 @@ from tqdm import tqdm
 
 import config
 import data
-import rewards as rule_rewards
 from critic import explained_variance, gae, load_critic, value_loss
 from kl import KLController, kl_estimate, kl_penalty_rewards
+from rewards import Scorer
 from rollout import left_pad, make_rollout
 from utils import (autocast, autocast_dtype, checkpoint_step, console_line, drop_metrics_after, exact_div,
                    load_policy, load_tokenizer, make_optimizer, MetricsLogger, plot_curves, resolve_resume,
@@ -342,31 +341,13 @@ def decode_responses(tokenizer, responses, response_mask) -> list[str]:
                                   skip_special_tokens=True)
 
 
-def score_responses(cfg, reward_fn, rm_scorer, rows, texts):
-    """The task score of each response: rule function, reward model, or their weighted sum. → (B,), metrics"""
-    metrics = {}
-    scores = torch.zeros(len(texts))
-    if cfg.reward.type in ("rule", "both"):
-        rule, extra, errors = rule_rewards.score_responses(reward_fn, rows, texts)
-        weight = cfg.reward.rule_weight if cfg.reward.type == "both" else 1.0
-        scores += weight * torch.tensor(rule, dtype=torch.float32)
-        metrics["reward/errors"] = float(errors)
-        metrics.update({f"reward/{k}": sum(v) / len(v) for k, v in extra.items() if v})
-    if cfg.reward.type in ("model", "both"):
-        model_scores = rm_scorer.score([r["prompt"] for r in rows], texts).float().cpu()
-        weight = cfg.reward.model_weight if cfg.reward.type == "both" else 1.0
-        scores += weight * model_scores
-        metrics["reward/model_score_mean"] = model_scores.mean().item()
-    return scores, metrics
-
-
 @torch.no_grad()
-def validate(cfg, rollout, tokenizer, reward_fn, rm_scorer, val_rows, accelerator):
+def validate(cfg, rollout, tokenizer, scorer, val_rows, accelerator):
     """Generate once per validation prompt (greedy by default); mean score overall and per data_source."""
     mine = val_rows[accelerator.process_index::accelerator.num_processes]
     ro = rollout.generate([r["prompt_ids"] for r in mine], n=1, temperature=cfg.rollout.val_temperature)
     texts = decode_responses(tokenizer, ro.responses, ro.response_mask)
-    scores, _ = score_responses(cfg, reward_fn, rm_scorer, mine, texts)
+    scores, _ = scorer(mine, texts)
     sources = sorted({r["data_source"] for r in val_rows})
     sums = torch.zeros(len(sources), 2)  # (sum of scores, count) per source
     for row, s in zip(mine, scores.tolist()):
@@ -443,14 +424,7 @@ def main(cfg: config.Config):
         policy, actor_opt, critic, critic_opt = accelerator.prepare(policy, actor_opt, critic, critic_opt)
     else:
         policy, actor_opt = accelerator.prepare(policy, actor_opt)
-    reward_fn = rule_rewards.load_reward_function(cfg.reward.function) if cfg.reward.type != "model" else None
-    rm_scorer = None
-    if cfg.reward.type in ("model", "both"):
-        from reward_model import RewardModelScorer
-        if not cfg.reward.model_path:
-            raise config.ConfigError("reward.type=model needs reward.model_path (a folder written by reward_model.py)")
-        rm_scorer = RewardModelScorer(cfg.reward.model_path, cfg.reward.micro_batch_size, cfg.reward.normalize,
-                                      cfg.reward.clip, device, dtype)
+    scorer = Scorer(cfg.reward, device, dtype)
 
     # ---- state, resume
     state = TrainState(KLController(alg.kl_ctrl.type, alg.kl_ctrl.kl_coef, alg.kl_ctrl.target_kl,
@@ -483,7 +457,7 @@ def main(cfg: config.Config):
     lp_micro, max_tok = cfg.actor.log_prob_micro_batch_size_per_device, (
         cfg.actor.max_token_len_per_device if cfg.actor.use_dynamic_bsz else 0)
     if t.val_before_train and val_rows and state.step == 0:
-        metrics = validate(cfg, rollout, tokenizer, reward_fn, rm_scorer, val_rows, accelerator)
+        metrics = validate(cfg, rollout, tokenizer, scorer, val_rows, accelerator)
         print0("validation before training: " + console_line(metrics, sorted(metrics)))
         logger.log(metrics, 0)
 
@@ -513,7 +487,7 @@ def main(cfg: config.Config):
         # ---- 3. score: the task reward of each response
         with timed(times, "time/reward_s"):
             texts = decode_responses(tokenizer, responses, response_mask)
-            scores, reward_metrics = score_responses(cfg, reward_fn, rm_scorer, rows, texts)  # (B,)
+            scores, reward_metrics = scorer(rows, texts)  # (B,)
             last_tokens = responses[torch.arange(B), (lengths - 1).clamp(min=0)]
             truncated = (lengths == cfg.rollout.max_response_length) & ~torch.isin(last_tokens, torch.tensor(
                 sorted(rollout.eos_ids)))
@@ -616,7 +590,7 @@ def main(cfg: config.Config):
         state.step = step
 
         if val_rows and ((t.test_freq and step % t.test_freq == 0) or step == t.total_steps):
-            metrics.update(validate(cfg, rollout, tokenizer, reward_fn, rm_scorer, val_rows, accelerator))
+            metrics.update(validate(cfg, rollout, tokenizer, scorer, val_rows, accelerator))
         logger.log(metrics, step)
         bar.set_postfix(score=f"{metrics['score/mean']:.3f}", kl=f"{metrics.get('kl/mean', 0):.4f}")
         keys = ["score/mean", "reward/mean", "kl/mean", "policy/entropy", "policy/clipfrac", "loss/policy",

@@ -186,3 +186,35 @@ def score_responses(compute_score, rows: list[dict], responses: list[str]) -> tu
     if errors:
         warnings.warn(f"reward function failed on {errors}/{len(rows)} samples (scored 0.0); first: {first}")
     return scores, extras, errors
+
+
+class Scorer:
+    """The task score of each response: a rule function, a reward model, or their weighted sum (reward.type)."""
+
+    def __init__(self, cfg_reward, device, dtype):
+        self.cfg, self.rule_fn, self.model = cfg_reward, None, None
+        if cfg_reward.type in ("rule", "both"):
+            self.rule_fn = load_reward_function(cfg_reward.function)
+        if cfg_reward.type in ("model", "both"):
+            from config import ConfigError
+            from reward_model import RewardModelScorer
+            if not cfg_reward.model_path:
+                raise ConfigError(f"reward.type={cfg_reward.type} needs reward.model_path "
+                                  "(the final/ folder written by reward_model.py)")
+            self.model = RewardModelScorer(cfg_reward.model_path, cfg_reward.micro_batch_size, cfg_reward.normalize,
+                                           cfg_reward.clip, device, dtype)
+
+    def __call__(self, rows: list[dict], texts: list[str]):
+        """rows (with prompt, ground_truth, data_source, extra_info) and decoded responses → scores (B,), metrics."""
+        import torch
+        both, metrics, scores = self.cfg.type == "both", {}, torch.zeros(len(texts))
+        if self.rule_fn is not None:
+            rule, extras, errors = score_responses(self.rule_fn, rows, texts)
+            scores += (self.cfg.rule_weight if both else 1.0) * torch.tensor(rule, dtype=torch.float32)
+            metrics["reward/errors"] = float(errors)
+            metrics.update({f"reward/{k}": sum(v) / len(v) for k, v in extras.items() if v})
+        if self.model is not None:
+            model_scores = self.model.score([r["prompt"] for r in rows], texts).float().cpu()
+            scores += (self.cfg.model_weight if both else 1.0) * model_scores
+            metrics["reward/model_score_mean"] = model_scores.mean().item()
+        return scores, metrics

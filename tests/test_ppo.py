@@ -45,7 +45,7 @@ def workdir(tmp_path_factory):
 def base_args(root, out):
     return [f"model.path={root}/model", f"data.train_files={root}/train.parquet",
             f"data.val_files={root}/val.parquet", f"reward.function={root}/reward.py:compute_score",
-            "rollout.name=hf", "rollout.max_response_length=8", "data.max_prompt_length=64",
+            "rollout.name=hf", "rollout.max_response_length=8", "data.max_prompt_length=128",
             "data.train_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=4",
             "trainer.total_steps=3", "trainer.save_freq=2", "trainer.test_freq=2", "trainer.sample_freq=2",
             "trainer.max_kl=0", f"trainer.output_dir={out}", "model.dtype=fp32", "actor.optim.lr=1e-3",
