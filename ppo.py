@@ -26,6 +26,7 @@ How this departs from the textbook (Schulman et al., 2017; Ziegler et al., 2019)
 
 Shapes: B sequences on this process (prompts × n), Tq prompt length, Tr response length, V vocab.
 """
+import functools
 import os
 import sys
 import time
@@ -389,7 +390,7 @@ def prepare_frozen(accelerator, model):
 
 def main(cfg: config.Config):
     accelerator = Accelerator()
-    print0 = accelerator.print
+    print0 = functools.partial(accelerator.print, flush=True)  # rank 0 only; flushed even into a pipe
     set_seed(cfg.trainer.seed)
     t, alg, device = cfg.trainer, cfg.algorithm, accelerator.device
     dtype = autocast_dtype(cfg.model.dtype)
