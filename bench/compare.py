@@ -94,9 +94,10 @@ def main() -> None:
     for preset, r in extra:
         print(f"{preset:8} ours vary_lengths packing={r['packing']:3}: {float(r['seconds_per_step']):.3f} s/step, "
               f"{float(r['tokens_per_s']):.0f} tok/s, {r['peak_rss_mb']} MB")
-    print("\nours, mean seconds per step by phase:")
-    for preset, gc, o, _ in rows:
-        print(f"  {preset:8} {gc:8} {o['phases'].split(':', 1)[1].strip()}")
+    print("\nmean seconds per step by phase:")
+    for preset, gc, o, t in rows:
+        for name, r in (("ours", o), ("TRL", t)):
+            print(f"  {preset:8} {gc:8} {name:4} {(r['phases'] or ':?').split(':', 1)[1].strip()}")
     print()
     for preset, gc, o, t in rows:
         if gc == "frozen":

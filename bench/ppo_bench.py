@@ -80,7 +80,15 @@ def child(spec: dict) -> None:
         gc.collect()
         gc.freeze()
         gc.disable()
-    ppo.main(cfg)
+    if not spec["profile"]:
+        return ppo.main(cfg)
+    import cProfile
+    import pstats
+    profiler = cProfile.Profile()
+    profiler.runcall(ppo.main, cfg)
+    profiler.dump_stats(spec["profile"].replace(".txt", ".prof"))  # for pstats / snakeviz
+    with open(spec["profile"], "w") as f:  # model loading included: read the loop's functions
+        pstats.Stats(profiler, stream=f).sort_stats("tottime").print_stats(40)
 
 
 # ---------------------------------------------------------------------------------------
@@ -115,7 +123,8 @@ def run_ours(args, size: dict, root: str, packing: bool) -> str:
         "trainer.val_before_train=false", "trainer.test_freq=0", "trainer.save_freq=0", "trainer.sample_freq=0",
         "trainer.max_kl=0", "trainer.plot_curves=false", f"trainer.seed={args.seed}",
         *reward_overrides(args.reward, root), *args.override]
-    spec = dict(overrides=overrides, gc_freeze=args.gc_freeze, vary_lengths=args.vary_lengths)
+    spec = dict(overrides=overrides, gc_freeze=args.gc_freeze, vary_lengths=args.vary_lengths,
+                profile=args.profile and os.path.join(out, "profile.txt"))
     os.makedirs(out, exist_ok=True)
     rss = run_child([sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)],
                     os.path.join(out, "log.txt"), args.threads)
@@ -128,6 +137,8 @@ def run_ours(args, size: dict, root: str, packing: bool) -> str:
     phases = sorted({k for m in steps for k in m if k.startswith("time/") and k != "time/step_s"})
     print("phases (mean s/step): " + "  ".join(
         f"{k[5:-2]} {sum(m.get(k, 0.0) for m in steps) / len(steps):.4f}" for k in phases), flush=True)
+    if args.profile:
+        print(f"profile (top 40 by own time, loading included): {spec['profile']}")
     return result_line("PPO", args.steps, seconds, tokens, rss, packing="on" if packing else "off",
                        vary_lengths=int(args.vary_lengths), gc="frozen" if args.gc_freeze else "shipped",
                        threads=args.threads or "default")
@@ -146,6 +157,7 @@ def main() -> None:
                         help="auto: the random reward model where reward_model.py serves one, else a rule")
     parser.add_argument("--rollout", choices=["hf", "vllm"], default="hf")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--profile", action="store_true", help="cProfile the run into <run>/profile.txt")
     parser.add_argument("--override", action="append", default=[], help="extra ppo.py key=value (repeatable)")
     args = parser.parse_args()
     size = size_of(args)

@@ -5,8 +5,12 @@
     .venv-trl/bin/python bench/trl_bench.py                      # default preset, as shipped
     .venv-trl/bin/python bench/trl_bench.py --preset large --gc-freeze
 
-Prints, as its last line:
+Prints, as its last two lines:
+    phases (mean s/step): gen … ref … reward … values … update+rest …
     TRL steps=N seconds_per_step=X peak_rss_mb=Y tokens_per_s=Z gc=shipped
+phases: the module's batch_generation (gen), no-grad forward (ref), get_reward on the reward model (reward) and
+on the value model (values), each wrapped with a timer; update+rest is the step less those (PPO epoch, GAE,
+logging, empty_cache/gc.collect).
 
 The same workload as ours: the same random Llama (policy and reference), a sequence classifier of the same
 shape as value model and reward model (TRL needs a reward *model*), the same prompts (bench/workload.py
@@ -32,6 +36,7 @@ import json
 import os
 import sys
 import time
+from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from workload import REPO, build_workload, common_args, result_line, run_child, size_of, workdir_of  # noqa: E402
@@ -70,17 +75,30 @@ def child(spec: dict) -> None:
         logging_steps=1, disable_tqdm=True, seed=spec["seed"], bf16=spec["dtype"] == "bf16", fp16=False,
         use_cpu=not torch.cuda.is_available())
 
-    # Every update's tokens, and a check that generation never stopped early.
-    tokens, batch_generation = [], ppo_trainer.batch_generation
+    # Every update's tokens, a check that generation never stopped early, and seconds per phase: the module's
+    # generate / no-grad forward / reward-or-value forward, wrapped; update = the rest of the step.
+    tokens, phases, spent = [], [], defaultdict(float)
+
+    def timed(fn, name_of):
+        def wrapped(model, *a, **k):
+            t0 = time.perf_counter()
+            out = fn(model, *a, **k)
+            spent[name_of(model)] += time.perf_counter() - t0
+            return out
+        return wrapped
+
+    ppo_trainer.batch_generation = timed(ppo_trainer.batch_generation, lambda m: "gen")
+    ppo_trainer.forward = timed(ppo_trainer.forward, lambda m: "ref" if not torch.is_grad_enabled() else "fwd_grad")
+    ppo_trainer.get_reward = timed(ppo_trainer.get_reward, lambda m: "reward" if m is reward else "values")
+    generate = ppo_trainer.batch_generation
 
     def counted(model, queries, *a, **k):
-        query_responses, logits = batch_generation(model, queries, *a, **k)
+        query_responses, logits = generate(model, queries, *a, **k)
         assert query_responses.shape[1] == queries.shape[1] + Tr, "TRL stopped generating before response_length"
         tokens.append(int((queries != tokenizer.pad_token_id).sum()) + queries.shape[0] * Tr)
         return query_responses, logits
 
     ppo_trainer.batch_generation = counted
-
     stamps = []
 
     class Clock(TrainerCallback):
@@ -89,6 +107,8 @@ def child(spec: dict) -> None:
 
         def on_step_end(self, *a, **k):
             stamps.append(time.perf_counter())
+            phases.append(dict(spent))
+            spent.clear()
 
     trainer = PPOTrainer(args=args, processing_class=tokenizer, model=policy, ref_model=ref, reward_model=reward,
                          value_model=value, train_dataset=prompts, eval_dataset=prompts.select(range(8)),
@@ -102,7 +122,7 @@ def child(spec: dict) -> None:
     trainer.train()
     seconds = [b - a for a, b in zip(stamps, stamps[1:])]
     with open(spec["result"], "w") as f:
-        json.dump({"seconds": seconds, "tokens": tokens}, f)
+        json.dump({"seconds": seconds, "tokens": tokens, "phases": phases}, f)
 
 
 def main() -> None:
@@ -127,6 +147,11 @@ def main() -> None:
         result = json.load(f)
     if len(result["seconds"]) != args.steps:
         sys.exit(f"trl_bench.py: expected {args.steps} updates, timed {len(result['seconds'])}; see {out}/log.txt")
+    steps = list(zip(result["seconds"], result["phases"]))[1:]
+    names = sorted({k for _, p in steps for k in p} - {"fwd_grad"})
+    update = sum(s - sum(p.get(k, 0.0) for k in names) for s, p in steps) / len(steps)
+    print("phases (mean s/step): " + "  ".join(f"{k} {sum(p.get(k, 0.0) for _, p in steps) / len(steps):.4f}"
+                                               for k in names) + f"  update+rest {update:.4f}")
     print(result_line("TRL", args.steps, result["seconds"][1:], result["tokens"][1:], rss,
                       gc="frozen" if args.gc_freeze else "shipped", threads=args.threads or "default"), flush=True)
 
