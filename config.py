@@ -23,8 +23,9 @@ class ModelConfig:
     """policy checkpoint: a local folder or a hub id (the demo model is made by prepare_model.py)"""
     tokenizer_path: Optional[str] = None
     """tokenizer folder; null means `path`"""
-    dtype: Literal["bf16", "fp32"] = "bf16"
-    """compute dtype of training forwards (bf16 = autocast over fp32 master weights)"""
+    dtype: Literal["auto", "bf16", "fp32"] = "auto"
+    """compute dtype of training forwards: bf16 = autocast over fp32 master weights; auto = bf16 where the
+    hardware runs it fast (CUDA, or a CPU with native bf16), else fp32"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory"""
     lora_rank: int = 32
@@ -33,8 +34,11 @@ class ModelConfig:
     """LoRA scaling numerator (scale = alpha / rank)"""
     lora_dropout: float = 0.0
     """dropout on the LoRA branch"""
-    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                               "gate_proj", "up_proj", "down_proj"])
     """module names that get LoRA adapters"""
+    lora_top_layers: int = 0
+    """LoRA only in the last N decoder layers (0 = all); the backward pass then stops below them"""
     use_remove_padding: bool = False
     """pack sequences without padding in training forwards"""
 
@@ -77,8 +81,8 @@ class RolloutConfig:
     """vLLM's memory share for weights and KV cache (on CPU, a share of host RAM)"""
     enforce_eager: bool = True
     """vLLM: no CUDA graphs"""
-    dtype: Literal["bf16", "fp32"] = "bf16"
-    """vLLM weights dtype"""
+    dtype: Literal["auto", "bf16", "fp32"] = "auto"
+    """vLLM weights dtype; auto = bf16 where the hardware runs it fast, else fp32 (as model.dtype)"""
     free_cache_engine: bool = False
     """vLLM on GPU: sleep the engine (free its KV cache) while training"""
     micro_batch_size: int = 64
@@ -180,7 +184,7 @@ class CriticConfig:
     model_path: Optional[str] = None
     """value model backbone; null means model.path (a reward-model folder works too)"""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5, warmup_ratio=0.0,
-                                                                   lr_scheduler="constant"))
+                                                                   lr_scheduler="constant", min_lr_ratio=0.0))
     """critic optimiser"""
     cliprange_value: float = 0.2
     """value clipping around old values"""
@@ -255,13 +259,64 @@ class TrainerConfig:
 @dataclass
 class RewardModelConfig:
     model_path: str = "models/SmolLM2-135M-Instruct"
-    """backbone for the Bradley-Terry reward model"""
+    """backbone for the Bradley-Terry reward model: a causal LM folder (a 1-output `score` head is added)"""
+    tokenizer_path: Optional[str] = None
+    """tokenizer folder; null means model_path. It is saved with the reward model and renders PPO's texts"""
     train_files: str = "data/preferences/train.parquet"
-    """preference parquet: prompt, chosen, rejected (optional margin)"""
+    """preference parquet: prompt (text or chat messages), chosen, rejected (responses), optional margin"""
     val_files: Optional[str] = "data/preferences/val.parquet"
     """validation preference parquet; null disables validation"""
     output_dir: str = "outputs/reward_model"
-    """metrics, checkpoints and the final reward model"""
+    """metrics.jsonl, checkpoints, final/ (merged model, tokenizer, reward_stats.json) and final_adapter/"""
+    max_length: int = 96
+    """longest conversation in tokens, after the chat template"""
+    overlong: Literal["truncate", "drop"] = "truncate"
+    """a longer pair: keep its last max_length tokens (the response end, where the reward is read) or drop it"""
+    batch_size: int = 16
+    """pairs per optimiser step, over all processes"""
+    micro_batch_size_per_device: int = 8
+    """pairs per forward/backward on one process (2× as many sequences); accumulation fills the batch"""
+    total_steps: int = 100
+    """optimiser steps; the pairs are reshuffled (seeded) every epoch"""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4, warmup_ratio=0.05, min_lr_ratio=0.1))
+    """reward-model optimiser"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    margin: bool = True
+    """subtract the `margin` column inside the sigmoid, −log σ(r_c − r_r − m) (Llama 2); 0 where absent"""
+    center_rewards_coef: float = 0.0
+    """weight of (r_chosen + r_rejected)², which keeps rewards centred on 0 (as TRL's RewardTrainer)"""
+    lora_rank: int = 16
+    """LoRA rank; 0 trains all weights (the `score` head is always trained in full)"""
+    lora_alpha: int = 32
+    """LoRA scaling numerator (scale = alpha / rank)"""
+    lora_dropout: float = 0.0
+    """dropout on the LoRA branch"""
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                               "gate_proj", "up_proj", "down_proj"])
+    """module names that get LoRA adapters"""
+    lora_top_layers: int = 0
+    """LoRA only in the last N decoder layers (0 = all); the backward pass then stops below them"""
+    dtype: Literal["bf16", "fp32"] = "fp32"
+    """compute dtype: bf16 = autocast over fp32 master weights (for GPUs; CPUs without native bf16 run it slower)"""
+    seed: int = 1
+    """seed for the data order and the new head (and LoRA) initialisation"""
+    logger: list[str] = field(default_factory=lambda: ["console"])
+    """any of console, wandb, tensorboard"""
+    project_name: str = "reward_model"
+    """wandb project"""
+    experiment_name: str = "default"
+    """wandb run name"""
+    eval_freq: int = 25
+    """validate every N steps (0 = only at the end)"""
+    save_freq: int = 50
+    """checkpoint every N steps (0 = only at the end)"""
+    keep_checkpoints: int = 2
+    """keep the last N step_* checkpoints"""
+    resume: str = "auto"
+    """auto (latest checkpoint in output_dir), off, or a checkpoint path"""
+    stats_max_pairs: int = 500
+    """training pairs scored at the end for reward_stats.json (0 = all)"""
 
 
 @dataclass

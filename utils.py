@@ -19,8 +19,16 @@ def exact_div(a: int, b: int, what: str) -> int:
     return a // b
 
 
+def fast_bf16() -> bool:
+    """Does this machine multiply bf16 fast? CUDA does; a CPU only with native bf16 (AVX-512 BF16, AMX).
+    Elsewhere torch falls back to a scalar bf16 kernel that is ~50× slower than fp32."""
+    return torch.cuda.is_available() or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def autocast_dtype(name: str):
     """`model.dtype` → the autocast dtype (None = plain fp32)."""
+    if name == "auto":
+        name = "bf16" if fast_bf16() else "fp32"
     return {"bf16": torch.bfloat16, "fp32": None}[name]
 
 
@@ -52,8 +60,10 @@ def load_policy(cfg_model):
     if cfg_model.lora_rank > 0:
         from peft import LoraConfig, get_peft_model
 
+        n_layers, top = model.config.num_hidden_layers, cfg_model.lora_top_layers
         lora = LoraConfig(r=cfg_model.lora_rank, lora_alpha=cfg_model.lora_alpha, lora_dropout=cfg_model.lora_dropout,
-                          target_modules=list(cfg_model.target_modules), task_type="CAUSAL_LM")
+                          target_modules=list(cfg_model.target_modules), task_type="CAUSAL_LM",
+                          layers_to_transform=list(range(n_layers - top, n_layers)) if 0 < top < n_layers else None)
         model = get_peft_model(model, lora)
         if cfg_model.gradient_checkpointing:
             model.enable_input_require_grads()
