@@ -33,8 +33,11 @@ $(DATA): data.py | $(STAMP)
 
 prepare: $(MODEL) $(DATA)
 
+# accelerate launch sets OMP_NUM_THREADS=1 unless told otherwise: on a CPU that halves the speed.
+THREADS := $(shell nproc)
+
 run: prepare
-	.venv/bin/accelerate launch --num_processes 1 ppo.py --config configs.yaml
+	OMP_NUM_THREADS=$(THREADS) .venv/bin/accelerate launch --num_processes 1 ppo.py --config configs.yaml
 
 test: install
 	$(PY) -m pytest -q tests
@@ -43,4 +46,4 @@ preferences: | $(STAMP)
 	$(PY) data.py --task arithmetic-preferences --output data/preferences
 
 reward-model: $(MODEL) preferences
-	.venv/bin/accelerate launch --num_processes 1 reward_model.py --config configs.yaml
+	OMP_NUM_THREADS=$(THREADS) .venv/bin/accelerate launch --num_processes 1 reward_model.py --config configs.yaml
