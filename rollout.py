@@ -16,6 +16,8 @@ from typing import Optional
 
 import torch
 
+from utils import autocast_dtype
+
 
 @dataclass
 class Rollout:
@@ -156,7 +158,7 @@ class VLLMRollout:
         self.cfg, self.unwrap = cfg.rollout, unwrap
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.eos_ids = eos_ids_of(tokenizer, unwrap(model))
-        self.dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg.rollout.dtype]
+        self.dtype = autocast_dtype(cfg.rollout.dtype) or torch.float32
         self.sleeps = cfg.rollout.free_cache_engine and torch.cuda.is_available()
         max_len = cfg.data.max_prompt_length + cfg.rollout.max_response_length
         memory = dict(gpu_memory_utilization=cfg.rollout.gpu_memory_utilization)
@@ -171,6 +173,7 @@ class VLLMRollout:
         distributed = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
         self.rank = torch.distributed.get_rank() if distributed else 0
         backend = "external_launcher" if distributed else None
+        # In this process vLLM reseeds the global random, numpy and torch generators with trainer.seed.
         self.llm = LLM(model=cfg.model.path, tokenizer=cfg.model.tokenizer_path or cfg.model.path,
                        dtype=self.dtype, seed=cfg.trainer.seed, enforce_eager=cfg.rollout.enforce_eager,
                        max_model_len=max_len, enable_prefix_caching=True, logprobs_mode="processed_logprobs",
