@@ -37,7 +37,7 @@ class ModelConfig:
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
                                                                "gate_proj", "up_proj", "down_proj"])
     """module names that get LoRA adapters"""
-    lora_top_layers: int = 0
+    lora_top_layers: int = 8
     """LoRA only in the last N decoder layers (0 = all); the backward pass then stops below them"""
     use_remove_padding: bool = False
     """pack sequences without padding in training forwards"""
@@ -49,7 +49,7 @@ class DataConfig:
     """training parquet (columns: prompt, and optionally ground_truth, data_source; or verl's layout)"""
     val_files: Optional[str] = "data/arithmetic/val.parquet"
     """validation parquet; null disables validation"""
-    train_batch_size: int = 8
+    train_batch_size: int = 4
     """prompts per step, over all processes"""
     max_prompt_length: int = 128
     """longest prompt in tokens, after the chat template"""
@@ -73,7 +73,7 @@ class RolloutConfig:
     """nucleus sampling mass (1 = off)"""
     top_k: int = -1
     """sample among the k likeliest tokens (-1 = off)"""
-    max_response_length: int = 32
+    max_response_length: int = 8
     """most new tokens per response"""
     val_temperature: float = 0.0
     """temperature for validation (0 = greedy)"""
@@ -123,7 +123,7 @@ class AlgorithmConfig:
     """controller for β"""
     use_kl_loss: bool = True
     """add kl_loss_coef·KL(policy‖ref) to the policy loss (as GRPO does)"""
-    kl_loss_coef: float = 0.001
+    kl_loss_coef: float = 0.02
     """weight of the KL loss"""
     kl_loss_type: Literal["k1", "k2", "k3", "abs"] = "k3"
     """KL estimator for the KL loss"""
@@ -135,7 +135,7 @@ class AlgorithmConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 5e-5
+    lr: float = 1e-4
     """peak learning rate"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
@@ -155,7 +155,7 @@ class ActorConfig:
     """actor optimiser"""
     ppo_epochs: int = 1
     """passes over each batch of rollouts"""
-    ppo_mini_batch_size: int = 8
+    ppo_mini_batch_size: int = 4
     """prompts per optimiser step, over all processes (times rollout.n sequences)"""
     ppo_micro_batch_size_per_device: int = 64
     """sequences per forward/backward on one process (gradient accumulation fills the mini-batch)"""
@@ -220,7 +220,7 @@ class RewardConfig:
 
 @dataclass
 class TrainerConfig:
-    total_steps: int = 100
+    total_steps: int = 60
     """PPO steps (one batch of rollouts each)"""
     output_dir: str = "outputs/ppo"
     """metrics.jsonl, checkpoints, the final model and curves.png go here"""
@@ -236,11 +236,11 @@ class TrainerConfig:
     """print a table of sampled responses every N steps (0 = never)"""
     num_samples_to_show: int = 4
     """rows in that table"""
-    test_freq: int = 25
+    test_freq: int = 30
     """validate every N steps (0 = only at the end)"""
     val_before_train: bool = True
     """validate once before the first step"""
-    save_freq: int = 50
+    save_freq: int = 30
     """checkpoint every N steps (0 = only at the end)"""
     keep_checkpoints: int = 2
     """keep the last N step_* checkpoints"""
@@ -276,7 +276,7 @@ class RewardModelConfig:
     """pairs per optimiser step, over all processes"""
     micro_batch_size_per_device: int = 8
     """pairs per forward/backward on one process (2× as many sequences); accumulation fills the batch"""
-    total_steps: int = 100
+    total_steps: int = 60
     """optimiser steps; the pairs are reshuffled (seeded) every epoch"""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4, warmup_ratio=0.05, min_lr_ratio=0.1))
     """reward-model optimiser"""
@@ -309,7 +309,7 @@ class RewardModelConfig:
     """wandb run name"""
     eval_freq: int = 25
     """validate every N steps (0 = only at the end)"""
-    save_freq: int = 50
+    save_freq: int = 30
     """checkpoint every N steps (0 = only at the end)"""
     keep_checkpoints: int = 2
     """keep the last N step_* checkpoints"""

@@ -44,7 +44,7 @@ import data
 from critic import explained_variance, gae, load_critic, value_loss
 from kl import KLController, kl_estimate, kl_penalty_rewards
 from rewards import Scorer
-from rollout import left_pad, make_rollout
+from rollout import HFRollout, left_pad, make_rollout
 from utils import (autocast, autocast_dtype, checkpoint_step, console_line, drop_metrics_after, exact_div,
                    load_policy, load_tokenizer, make_optimizer, MetricsLogger, plot_curves, resolve_resume,
                    sample_table, save_checkpoint, save_pretrained_atomic, timed)
@@ -630,7 +630,8 @@ def main(cfg: config.Config):
                         ["score/mean", "kl/mean", "policy/entropy", "loss/value", "val/score/mean"])
     logger.close()
     accelerator.wait_for_everyone()
-    accelerator.end_training()
+    if isinstance(rollout, HFRollout):  # a vLLM engine destroys the process group itself at exit
+        accelerator.end_training()
     return stop_reason
 
 
