@@ -72,7 +72,8 @@ def main() -> None:
                 ours.append(run(OURS + common))
                 trl.append(run(TRL + common))
             rows.append((preset, "frozen" if gc else "shipped", median_of(ours)[0], median_of(trl)[0]))
-            print(f"done: {preset} gc={rows[-1][1]}", flush=True)
+            print(f"done: {preset} gc={rows[-1][1]}: ours {[r[0]['seconds_per_step'] for r in ours]} s/step, "
+                  f"TRL {[r[0]['seconds_per_step'] for r in trl]} s/step", flush=True)
         if args.packing:
             extra += [(preset, r) for r in run(OURS + ["--preset", preset, "--steps", str(args.steps),
                                                        "--threads", str(args.threads),
