@@ -19,6 +19,8 @@ def one_run(model_path, batch, prompt, response, chunk):
     from transformers import AutoModelForCausalLM
 
     ppo.LOGITS_CHUNK = chunk
+    if chunk == 0:  # the plain path: whole tensors, no recomputation
+        ppo.chunked_logprobs_entropy = lambda z, t, temp, with_entropy, chunk: ppo._logprobs_entropy(z, t, temp, with_entropy)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     V = model.config.vocab_size
     mb = dict(queries=torch.randint(3, V, (batch, prompt)), query_mask=torch.ones(batch, prompt, dtype=torch.long),
@@ -33,9 +35,9 @@ def one_run(model_path, batch, prompt, response, chunk):
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--model", default=os.path.join(ROOT, "models/SmolLM2-135M-Instruct"))
-    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--batch", type=int, default=8)
     p.add_argument("--prompt", type=int, default=40)
-    p.add_argument("--response", type=int, default=64)
+    p.add_argument("--response", type=int, default=32)
     p.add_argument("--chunk", type=int, default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.chunk is not None:

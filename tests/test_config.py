@@ -53,5 +53,5 @@ def test_missing_config_file():
 def test_help_lists_every_key():
     """`python ppo.py --help` prints each key with its default and description, and exits 0."""
     out = subprocess.run([sys.executable, "ppo.py", "--help"], cwd=REPO, capture_output=True, text=True, check=True)
-    assert "trainer.total_steps (100) — PPO steps" in out.stdout
+    assert f"trainer.total_steps ({config.Config().trainer.total_steps}) — PPO steps" in out.stdout
     assert all(key in out.stdout for key in config.all_keys(config.Config))

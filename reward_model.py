@@ -1,0 +1,383 @@
+"""Reward model: a Bradley–Terry scorer trained on preference pairs, and the scorer PPO calls.
+
+    python data.py --task arithmetic-preferences --output data/preferences       # the demo pairs
+    accelerate launch reward_model.py --config configs.yaml                      # the demo, CPU or GPU
+    accelerate launch reward_model.py --config configs.yaml reward_model.total_steps=20 reward_model.lora_rank=0
+    accelerate launch --config_file accelerate_configs/ddp_cpu.yaml reward_model.py --config configs.yaml
+    python reward_model.py --help                                                # every config key
+    accelerate launch ppo.py --config configs.yaml reward.type=model reward.model_path=outputs/reward_model/final
+
+Each step: 1. this step's pairs, 2. score chosen and rejected, loss, backward (micro-batches),
+3. clip and step, 4. metrics over all processes, 5. validate, 6. log, 7. checkpoint. At the end
+<output_dir>/final/ holds a plain AutoModelForSequenceClassification (LoRA merged), its tokenizer and
+reward_stats.json (mean/std of its scores on the training responses); final_adapter/ keeps the adapter.
+
+How the text and the reward are formed:
+1. A pair is two conversations, [prompt…, assistant: chosen] and [prompt…, assistant: rejected],
+   rendered by the reward model's own chat template (no generation prompt). A text prompt is one user
+   turn; without a template the text is prompt + response; an empty prompt means chosen/rejected are
+   whole conversations (HH-RLHF) used as they are. RewardModelScorer renders PPO's (prompt, response)
+   the same way, so the policy may have another tokenizer.
+2. The reward is the `score` head at the last real token, found from the attention mask. HF's own
+   pooling takes the last token that is not pad_token_id, wrong when pad == eos ends the text.
+3. A pair longer than max_length is truncated from the left (the end of the response, where the reward
+   is read, is kept) or dropped (reward_model.overlong); both are counted at start-up, as are pairs
+   with chosen == rejected, which load_preferences drops.
+4. Losses are normalised by the pairs of the whole batch over all processes, so gradient accumulation
+   and the number of processes do not change the gradient.
+"""
+import json
+import os
+import sys
+import time
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from tqdm import tqdm
+
+import config
+import data
+from utils import (autocast, autocast_dtype, checkpoint_step, console_line, drop_metrics_after, exact_div,
+                   load_tokenizer, make_optimizer, MetricsLogger, resolve_resume, save_checkpoint,
+                   save_pretrained_atomic)
+
+# ---------------------------------------------------------------------------------------
+# Math
+
+
+def bradley_terry_loss(r_chosen, r_rejected, margin, center_coef: float):
+    """L = −log σ(r_c − r_r − m) + η·(r_c + r_r)²   per pair, (B,) → (B,)
+
+    Bradley & Terry (1952) as in Ouyang et al. (2022); the margin m as in Llama 2 (Touvron et al., 2023);
+    the centring term η as TRL's RewardTrainer (Eisenstein et al., 2023), which pins the mean near 0.
+    """
+    return -F.logsigmoid(r_chosen - r_rejected - margin) + center_coef * (r_chosen + r_rejected).square()
+
+
+def last_token_index(attention_mask):
+    """i* = max{t : mask_t = 1}, the last real position of each row, for right or left padding. (B, T) → (B,)"""
+    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    return (positions * attention_mask).argmax(-1)
+
+
+class RewardModel(torch.nn.Module):
+    """r(x) = w·h_{i*}: a sequence classifier (or a PEFT model of one) read at last_token_index."""
+
+    def __init__(self, hf_model):
+        super().__init__()
+        self.hf = hf_model
+
+    def forward(self, input_ids, attention_mask):
+        model = self.hf.get_base_model() if hasattr(self.hf, "get_base_model") else self.hf
+        backbone = getattr(model, model.base_model_prefix)
+        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        last = hidden[torch.arange(len(hidden), device=hidden.device), last_token_index(attention_mask)]  # (B, H)
+        return model.score(last).squeeze(-1).float()  # (B,)
+
+
+# ---------------------------------------------------------------------------------------
+# Text
+
+
+def render(prompt, response: str, tokenizer) -> str:
+    """One conversation as text: the chat template over [prompt…, assistant: response] (see 1. above)."""
+    if isinstance(prompt, str) and prompt == "":
+        return response
+    if tokenizer.chat_template is None:
+        if not isinstance(prompt, str):
+            raise data.DataError("the prompt is a list of chat messages but the reward model's tokenizer has no "
+                                 "chat_template; use a tokenizer with one or store prompts as text")
+        return prompt + response
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    return tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": response}], tokenize=False)
+
+
+def load_pairs(path: str, tokenizer, max_length: int, overlong: str, use_margin: bool):
+    """Preference pairs read, rendered and tokenised → [(chosen_ids, rejected_ids, margin)], stats.
+
+    stats counts every pair not used as it was: identical_dropped (chosen == rejected), and pairs over
+    max_length tokens either truncated (their last max_length tokens kept) or dropped. margin = 0 unless use_margin.
+    """
+    rows, stats = data.load_preferences(path)
+    texts = [render(r["prompt"], r[k], tokenizer) for r in rows for k in ("chosen", "rejected")]
+    ids = data.tokenize_prompts(texts, tokenizer)  # the template's special tokens, no extra BOS
+    pairs, truncated, dropped = [], 0, 0
+    for row, chosen, rejected in zip(rows, ids[0::2], ids[1::2]):
+        if max(len(chosen), len(rejected)) > max_length:
+            if overlong == "drop":
+                dropped += 1
+                continue
+            chosen, rejected, truncated = chosen[-max_length:], rejected[-max_length:], truncated + 1
+        pairs.append((chosen, rejected, row["margin"] if use_margin else 0.0))
+    if not pairs:
+        raise data.DataError(f"{path}: all {len(rows)} pairs are longer than reward_model.max_length={max_length}; "
+                             f"raise it or set reward_model.overlong=truncate")
+    return pairs, {**stats, "truncated": truncated, "overlong_dropped": dropped, "used": len(pairs)}
+
+
+def pad_right(seqs: list[list[int]], pad_id: int, device):
+    """input_ids and attention_mask (B, T), T the longest sequence."""
+    T = max(len(s) for s in seqs)
+    input_ids = torch.tensor([s + [pad_id] * (T - len(s)) for s in seqs], device=device)  # (B, T)
+    attention_mask = torch.tensor([[1] * len(s) + [0] * (T - len(s)) for s in seqs], device=device)  # (B, T)
+    return input_ids, attention_mask
+
+
+def score_pairs(model, pairs, pad_id: int, device, dtype):
+    """Chosen and rejected in one forward → r_chosen, r_rejected, margin, each (B,)."""
+    input_ids, attention_mask = pad_right([p[0] for p in pairs] + [p[1] for p in pairs], pad_id, device)
+    with autocast(device, dtype):
+        r = model(input_ids, attention_mask)  # (2B,)
+    margin = torch.tensor([p[2] for p in pairs], device=device)
+    return r[:len(pairs)], r[len(pairs):], margin
+
+
+def batch_indices(step: int, n: int, batch_size: int, seed: int) -> list[int]:
+    """The pairs of optimiser step `step` (0-based): epoch e = step // (n // B) takes slice k of a permutation
+    seeded by (seed, e). A function of the step alone, so resuming at a step replays the same data."""
+    epoch, k = divmod(step, n // batch_size)
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+    return perm[k * batch_size:(k + 1) * batch_size].tolist()
+
+
+class DataPosition:
+    """Optimiser steps taken: saved in each checkpoint (batch_indices turns it into the next pairs)."""
+
+    def __init__(self):
+        self.step = 0
+
+    def state_dict(self):
+        return {"step": self.step}
+
+    def load_state_dict(self, state):
+        self.step = state["step"]
+
+
+# ---------------------------------------------------------------------------------------
+# Evaluation and the final model
+
+
+@torch.no_grad()
+def evaluate(model, pairs, micro: int, pad_id: int, accelerator, dtype) -> dict:
+    """Over all pairs (each process scores every num_processes-th micro-batch): loss, accuracy, margin,
+    and the mean and std of the chosen and rejected scores together (reward_stats.json)."""
+    model.eval()
+    sums = torch.zeros(5, dtype=torch.float64, device=accelerator.device)  # loss, correct, r_c − r_r, Σr, Σr²
+    for i in range(accelerator.process_index * micro, len(pairs), accelerator.num_processes * micro):
+        r_c, r_r, m = score_pairs(model, pairs[i:i + micro], pad_id, accelerator.device, dtype)
+        r = torch.cat([r_c, r_r])
+        sums += torch.stack([bradley_terry_loss(r_c, r_r, m, 0.0).sum(), (r_c > r_r).sum(), (r_c - r_r).sum(),
+                             r.sum(), r.square().sum()]).double()
+    loss, accuracy, margin, total, total_sq = (accelerator.reduce(sums, "sum") / len(pairs)).tolist()
+    model.train()
+    mean = total / 2  # per response: 2 per pair
+    return {"loss": loss, "accuracy": accuracy, "margin": margin, "mean": mean,
+            "std": max(total_sq / 2 - mean ** 2, 0.0) ** 0.5}
+
+
+def save_final(hf_model, tokenizer, stats: dict, output_dir: str) -> None:
+    """final/ = a plain sequence classifier (the adapter merged in) + tokenizer + reward_stats.json."""
+    final = os.path.join(output_dir, "final")
+    if hasattr(hf_model, "merge_and_unload"):
+        save_pretrained_atomic(hf_model, tokenizer, os.path.join(output_dir, "final_adapter"))
+        hf_model = hf_model.merge_and_unload()
+    save_pretrained_atomic(hf_model, tokenizer, final)
+    with open(os.path.join(final, "reward_stats.json.tmp"), "w") as f:
+        json.dump(stats, f)
+    os.replace(os.path.join(final, "reward_stats.json.tmp"), os.path.join(final, "reward_stats.json"))
+
+
+def load_reward_model(rm, pad_id: int):
+    """The backbone with a fresh 1-output `score` head, fp32 master weights; LoRA (head trained in full) if rank > 0."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(rm.model_path, num_labels=1, pad_token_id=pad_id,
+                                                               dtype=torch.float32)
+    if rm.lora_rank > 0:
+        from peft import LoraConfig, get_peft_model
+
+        n_layers = model.config.get_text_config().num_hidden_layers
+        top = list(range(n_layers - rm.lora_top_layers, n_layers)) if 0 < rm.lora_top_layers < n_layers else None
+        lora = LoraConfig(r=rm.lora_rank, lora_alpha=rm.lora_alpha, lora_dropout=rm.lora_dropout,
+                          target_modules=list(rm.target_modules), layers_to_transform=top,
+                          task_type="SEQ_CLS")  # SEQ_CLS: `score` is trained in full and saved
+        model = get_peft_model(model, lora)
+    return RewardModel(model)
+
+
+# ---------------------------------------------------------------------------------------
+# Training
+
+
+def main(cfg: config.Config):
+    rm = cfg.reward_model
+    accelerator = Accelerator()
+    print0, device, dtype = accelerator.print, accelerator.device, autocast_dtype(rm.dtype)
+    set_seed(rm.seed)
+    tokenizer = load_tokenizer(rm.tokenizer_path or rm.model_path)
+    pad_id = tokenizer.pad_token_id
+
+    # ---- data: pairs tokenised once, sizes checked before the model is loaded
+    train_pairs, stats = load_pairs(rm.train_files, tokenizer, rm.max_length, rm.overlong, rm.margin)
+    print0(f"train pairs: {stats}")
+    val_pairs = []
+    if rm.val_files:
+        val_pairs, stats = load_pairs(rm.val_files, tokenizer, rm.max_length, rm.overlong, rm.margin)
+        print0(f"val pairs: {stats}")
+    local = exact_div(rm.batch_size, accelerator.num_processes, "reward_model.batch_size (pairs per step) "
+                      "must divide by the number of processes")
+    micro = min(rm.micro_batch_size_per_device, local)
+    exact_div(local, micro, f"pairs per step on one process ({local}) must divide by "
+              "reward_model.micro_batch_size_per_device")
+    if rm.batch_size > len(train_pairs):
+        raise config.ConfigError(f"reward_model.batch_size={rm.batch_size} is more than the {len(train_pairs)} "
+                                 f"training pairs; lower it")
+    print0(f"{rm.total_steps} steps of {rm.batch_size} pairs = {rm.total_steps * rm.batch_size / len(train_pairs):.2f} "
+           f"epochs; {local // micro} micro-batches of {micro} pairs per process")
+
+    # ---- model, optimiser, state, resume
+    model = load_reward_model(rm, pad_id)
+    optimizer, scheduler = make_optimizer(model, rm.optim, rm.total_steps)
+    model, optimizer = accelerator.prepare(model, optimizer)  # the scheduler is not prepared: it would step ×processes
+    model.train()
+    position = DataPosition()
+    accelerator.register_for_checkpointing(position, scheduler)
+    logger = MetricsLogger(rm.output_dir, rm.logger, config.to_dict(cfg), rm.project_name, rm.experiment_name,
+                           accelerator.is_main_process)
+    if rm.resume not in ("auto", "off") and not os.path.isdir(rm.resume):
+        raise config.ConfigError(f"reward_model.resume: checkpoint folder {rm.resume} does not exist")
+    resume_from = resolve_resume(rm.resume, rm.output_dir)
+    if resume_from:
+        accelerator.load_state(resume_from)
+        print0(f"resumed from {resume_from} at step {position.step}")
+        if accelerator.is_main_process:
+            drop_metrics_after(logger.path, checkpoint_step(resume_from))
+    elif accelerator.is_main_process and os.path.exists(logger.path):
+        os.remove(logger.path)  # a fresh run starts a fresh log
+    if accelerator.is_main_process:
+        config.save(cfg, os.path.join(rm.output_dir, "config.yaml"))
+
+    bar = tqdm(range(position.step, rm.total_steps), initial=position.step, total=rm.total_steps,
+               disable=not accelerator.is_main_process, dynamic_ncols=True)
+    for step in bar:
+        t0 = time.perf_counter()
+        # ---- 1. this step's pairs: a slice of the seeded epoch permutation, then this process's share
+        batch = [train_pairs[i] for i in batch_indices(step, len(train_pairs), rm.batch_size, rm.seed)]
+        mine = batch[accelerator.process_index * local:(accelerator.process_index + 1) * local]
+
+        # ---- 2. forward/backward per micro-batch; each loss is a share of the whole batch's mean
+        sums = torch.zeros(5, device=device)  # loss, correct, r_c − r_r, r_c, r_r
+        for i in range(0, local, micro):
+            sync = i + micro == local  # all-reduce gradients once, after the last micro-batch
+            with nullcontext() if sync else accelerator.no_sync(model):
+                r_c, r_r, m = score_pairs(model, mine[i:i + micro], pad_id, device, dtype)
+                loss = bradley_terry_loss(r_c, r_r, m, rm.center_rewards_coef)
+                accelerator.backward(loss.sum() / local)  # DDP averages over processes → mean over the batch
+            sums += torch.stack([loss.sum(), (r_c > r_r).sum(), (r_c - r_r).sum(), r_c.sum(), r_r.sum()]).detach()
+
+        # ---- 3. clip, step, schedule
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), rm.max_grad_norm)
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        position.step = step + 1
+
+        # ---- 4. metrics: sums over all processes, divided by the batch
+        sums = (accelerator.reduce(sums, "sum") / rm.batch_size).tolist()
+        metrics = {"rm/loss": sums[0], "rm/accuracy": sums[1], "rm/margin": sums[2], "rm/chosen_mean": sums[3],
+                   "rm/rejected_mean": sums[4], "rm/grad_norm": float(grad_norm), "lr": lr}
+
+        # ---- 5. validate every eval_freq steps and at the end
+        last = step + 1 == rm.total_steps
+        if val_pairs and (last or (rm.eval_freq > 0 and (step + 1) % rm.eval_freq == 0)):
+            val = evaluate(model, val_pairs, micro, pad_id, accelerator, dtype)
+            metrics.update({f"val/rm/{k}": val[k] for k in ("loss", "accuracy", "margin")})
+
+        # ---- 6. log (rank 0): metrics.jsonl, console, wandb/tensorboard
+        metrics["time/step_s"] = time.perf_counter() - t0
+        logger.log(metrics, step + 1)
+        print0(f"step {step + 1}  " + console_line(metrics, ["rm/loss", "rm/accuracy", "rm/margin", "val/rm/accuracy",
+                                                             "lr", "time/step_s"]))
+
+        # ---- 7. checkpoint every save_freq steps and at the end
+        if last or (rm.save_freq > 0 and (step + 1) % rm.save_freq == 0):
+            save_checkpoint(accelerator, rm.output_dir, step + 1, rm.keep_checkpoints)
+
+    # ---- the final model: scores' mean/std for PPO, adapter merged, rank 0 writes
+    stats_pairs = train_pairs[:rm.stats_max_pairs or None]
+    stats = {k: v for k, v in evaluate(model, stats_pairs, micro, pad_id, accelerator, dtype).items()
+             if k in ("mean", "std")}
+    print0(f"reward_stats over {2 * len(stats_pairs)} training responses: {stats}")
+    if accelerator.is_main_process:
+        save_final(accelerator.unwrap_model(model).hf, tokenizer, stats, rm.output_dir)
+        print0(f"wrote {os.path.join(rm.output_dir, 'final')}")
+    accelerator.wait_for_everyone()
+    logger.close()
+    accelerator.end_training()
+
+
+# ---------------------------------------------------------------------------------------
+# Scoring in PPO
+
+
+class RewardModelScorer:
+    """Scores raw (prompt, response) pairs with a folder written by reward_model.py, rendered with its own
+    tokenizer exactly as in training; micro-batched, no grad, eval mode.
+
+    normalize: (s − mean) / std with final/reward_stats.json; clip: clamp to ±clip after normalising.
+    """
+
+    def __init__(self, path: str, micro_batch_size: int = 32, normalize: bool = False, clip=None,
+                 device="cpu", autocast_dtype=None):
+        from transformers import AutoConfig, AutoModelForSequenceClassification
+
+        if not os.path.isdir(path):
+            raise config.ConfigError(f"reward model folder {path} does not exist; train one with reward_model.py")
+        arch = (AutoConfig.from_pretrained(path).architectures or ["?"])[0]
+        if not arch.endswith("ForSequenceClassification"):
+            raise config.ConfigError(f"{path} holds a {arch}, not a reward model (…ForSequenceClassification); "
+                             f"point reward.model_path at the final/ folder written by reward_model.py")
+        self.tokenizer = load_tokenizer(path)
+        hf = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32,
+                                                                pad_token_id=self.tokenizer.pad_token_id)
+        self.device = torch.device(device)
+        self.model = RewardModel(hf).to(self.device).eval().requires_grad_(False)
+        self.micro_batch_size, self.clip, self.dtype, self.stats = micro_batch_size, clip, autocast_dtype, None
+        if normalize:
+            stats_path = os.path.join(path, "reward_stats.json")
+            if not os.path.isfile(stats_path):
+                raise config.ConfigError(f"reward.normalize needs {stats_path} (written by reward_model.py at the end "
+                                        f"of training); retrain, or set reward.normalize=false")
+            with open(stats_path) as f:
+                self.stats = json.load(f)
+
+    @torch.no_grad()
+    def score(self, prompts: list, responses: list[str]) -> torch.Tensor:
+        """prompts (text or chat messages, as stored) and decoded responses → scores (B,) on `device`."""
+        texts = [render(p, r, self.tokenizer) for p, r in zip(prompts, responses, strict=True)]
+        if not texts:
+            return torch.zeros(0, device=self.device)
+        ids = data.tokenize_prompts(texts, self.tokenizer)
+        scores = []
+        for i in range(0, len(ids), self.micro_batch_size):
+            input_ids, attention_mask = pad_right(ids[i:i + self.micro_batch_size], self.tokenizer.pad_token_id,
+                                                  self.device)
+            with autocast(self.device, self.dtype):
+                scores.append(self.model(input_ids, attention_mask))  # (b,)
+        scores = torch.cat(scores)  # (B,)
+        if self.stats is not None:
+            scores = (scores - self.stats["mean"]) / max(self.stats["std"], 1e-8)
+        if self.clip is not None:
+            scores = scores.clamp(-self.clip, self.clip)
+        return scores
+
+
+if __name__ == "__main__":
+    try:
+        main(config.parse_args(sys.argv[1:], __doc__))
+    except (config.ConfigError, data.DataError) as e:  # a user's mistake: one sentence, no traceback
+        sys.exit(f"reward_model.py: {e}")
