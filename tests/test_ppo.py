@@ -182,3 +182,16 @@ def test_bad_data_fails_with_the_file_named(workdir, tmp_path):
     pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), empty)
     proc = run_ppo(workdir, tmp_path / "bad", f"data.train_files={empty}", expect_ok=False)
     assert proc.returncode != 0 and str(empty) in proc.stderr
+
+
+@pytest.mark.vllm
+def test_vllm_rollout_run_logs_the_sampler_gap(workdir, tmp_path):
+    """rollout.name=vllm end to end: the colocated engine samples, the gap between its logprobs and the
+    trainer's is logged every step (tiny in fp32), and checkpoints are written."""
+    out = tmp_path / "vllm"
+    run_ppo(workdir, out, "rollout.name=vllm", "rollout.dtype=fp32", "trainer.total_steps=2", "trainer.test_freq=0")
+    steps = [line for line in read_metrics(out) if line["step"] > 0]
+    assert [line["step"] for line in steps] == [1, 2]
+    for line in steps:
+        assert line["rollout/logprob_diff_mean"] < 1e-3 and line["rollout/is_weight_mean"] == pytest.approx(1, abs=1e-2)
+    assert (out / "step_2").is_dir() and (out / "final" / "adapter_model.safetensors").exists()
