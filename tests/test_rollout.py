@@ -254,7 +254,7 @@ from torch.distributed.fsdp import fully_shard
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from rollout import HFRollout, make_rollout
-from test_rollout import FakeAccelerator, chat, fit, make_config
+from test_rollout import FakeAccelerator, chat, make_config
 
 dist.init_process_group("gloo")
 rank, path = dist.get_rank(), sys.argv[1]
@@ -263,15 +263,21 @@ prompts = [chat(tokenizer, f"What is {a} + {rank}?") for a in range(3)]
 model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 with torch.no_grad():
     model.lm_head.weight *= 30
+torch.manual_seed(0)  # the same LoRA init on every rank
 model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
-torch.manual_seed(0)
-shared = [chat(tokenizer, "What is 1 + 1?")]
-fit(model, tokenizer, shared, ["hello"], steps=3, lr=1e-2)  # lora_B ≠ 0; the same model on every rank
+with torch.no_grad():  # lora_B ≠ 0 (PEFT starts it at 0)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            p.normal_(0, 0.05)
 reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)  # the same weights, unsharded
 with torch.no_grad():
     reference.lm_head.weight *= 30
 reference = get_peft_model(reference, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
 reference.load_state_dict(model.state_dict())
+checksum = torch.stack([p.double().sum() for p in model.parameters()])
+sums = [torch.zeros_like(checksum) for _ in range(2)]
+dist.all_gather(sums, checksum)  # fully_shard keeps each rank's own slice: every rank must hold the same model
+print(f"rank {rank}: same model on both ranks {torch.equal(*sums)}", flush=True)
 for layer in model.base_model.model.model.layers:
     fully_shard(layer)
 fully_shard(model)
@@ -293,7 +299,8 @@ def test_two_processes_each_own_an_engine_synced_from_fsdp2_lora(tmp_path, tiny_
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script),
                           tiny_model_dir], env=env, capture_output=True, text=True, timeout=600)
     lines = sorted(line for line in out.stdout.splitlines() if line.startswith("rank "))
-    assert lines == [f"rank {r}: greedy equal True" for r in (0, 1)], out.stderr[-3000:]
+    expected = [f"rank {r}: {what} True" for r in (0, 1) for what in ("greedy equal", "same model on both ranks")]
+    assert lines == sorted(expected), out.stderr[-3000:]
 
 
 # ---- fallback
