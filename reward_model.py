@@ -7,6 +7,11 @@
     python reward_model.py --help                                                # every config key
     accelerate launch ppo.py --config configs.yaml reward.type=model reward.model_path=outputs/reward_model/final
 
+The demo defaults (LoRA in the top 4 of SmolLM2-135M's 30 layers, 30 steps of 16 pairs, fp32) ran in
+5.4 min on 2 CPU cores to val/rm/accuracy 0.64: every wrongly formatted answer is ranked below the bare
+number, but near-miss numbers (2/3 of the pairs) stay at chance; the backbone's own log-probs prefer
+the right sum in only 67% of them, so arithmetic is beyond a short CPU run.
+
 Each step: 1. this step's pairs, 2. score chosen and rejected, loss, backward (micro-batches),
 3. clip and step, 4. metrics over all processes, 5. validate, 6. log, 7. checkpoint. At the end
 <output_dir>/final/ holds a plain AutoModelForSequenceClassification (LoRA merged), its tokenizer and
@@ -226,15 +231,16 @@ def main(cfg: config.Config):
     val_pairs = []
     if rm.val_files:
         val_pairs, stats = load_pairs(rm.val_files, tokenizer, rm.max_length, rm.overlong, rm.margin)
-        print0(f"val pairs: {stats}")
-    local = exact_div(rm.batch_size, accelerator.num_processes, "reward_model.batch_size (pairs per step) "
-                      "must divide by the number of processes")
+        val_pairs = val_pairs[:rm.val_max_pairs or None]
+        print0(f"val pairs: {stats}, using {len(val_pairs)}")
+    local = exact_div(rm.batch_size, accelerator.num_processes, "reward_model.batch_size (pairs) across processes")
     micro = min(rm.micro_batch_size_per_device, local)
-    exact_div(local, micro, f"pairs per step on one process ({local}) must divide by "
-              "reward_model.micro_batch_size_per_device")
+    exact_div(local, micro, "pairs per step on one process by reward_model.micro_batch_size_per_device")
     if rm.batch_size > len(train_pairs):
         raise config.ConfigError(f"reward_model.batch_size={rm.batch_size} is more than the {len(train_pairs)} "
                                  f"training pairs; lower it")
+    if rm.resume not in ("auto", "off") and not os.path.isdir(rm.resume):
+        raise config.ConfigError(f"reward_model.resume: checkpoint folder {rm.resume} does not exist")
     print0(f"{rm.total_steps} steps of {rm.batch_size} pairs = {rm.total_steps * rm.batch_size / len(train_pairs):.2f} "
            f"epochs; {local // micro} micro-batches of {micro} pairs per process")
 
@@ -247,8 +253,6 @@ def main(cfg: config.Config):
     accelerator.register_for_checkpointing(position, scheduler)
     logger = MetricsLogger(rm.output_dir, rm.logger, config.to_dict(cfg), rm.project_name, rm.experiment_name,
                            accelerator.is_main_process)
-    if rm.resume not in ("auto", "off") and not os.path.isdir(rm.resume):
-        raise config.ConfigError(f"reward_model.resume: checkpoint folder {rm.resume} does not exist")
     resume_from = resolve_resume(rm.resume, rm.output_dir)
     if resume_from:
         accelerator.load_state(resume_from)
