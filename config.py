@@ -266,6 +266,8 @@ class RewardModelConfig:
     """preference parquet: prompt (text or chat messages), chosen, rejected (responses), optional margin"""
     val_files: Optional[str] = "data/preferences/val.parquet"
     """validation preference parquet; null disables validation"""
+    val_max_pairs: int = 100
+    """validate on at most this many pairs (0 = all)"""
     output_dir: str = "outputs/reward_model"
     """metrics.jsonl, checkpoints, final/ (merged model, tokenizer, reward_stats.json) and final_adapter/"""
     max_length: int = 96
@@ -276,9 +278,9 @@ class RewardModelConfig:
     """pairs per optimiser step, over all processes"""
     micro_batch_size_per_device: int = 8
     """pairs per forward/backward on one process (2× as many sequences); accumulation fills the batch"""
-    total_steps: int = 60
+    total_steps: int = 30
     """optimiser steps; the pairs are reshuffled (seeded) every epoch"""
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4, warmup_ratio=0.05, min_lr_ratio=0.1))
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=3e-4, warmup_ratio=0.05, min_lr_ratio=0.1))
     """reward-model optimiser"""
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
@@ -295,7 +297,7 @@ class RewardModelConfig:
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
                                                                "gate_proj", "up_proj", "down_proj"])
     """module names that get LoRA adapters"""
-    lora_top_layers: int = 0
+    lora_top_layers: int = 4
     """LoRA only in the last N decoder layers (0 = all); the backward pass then stops below them"""
     dtype: Literal["bf16", "fp32"] = "fp32"
     """compute dtype: bf16 = autocast over fp32 master weights (for GPUs; CPUs without native bf16 run it slower)"""
@@ -307,15 +309,15 @@ class RewardModelConfig:
     """wandb project"""
     experiment_name: str = "default"
     """wandb run name"""
-    eval_freq: int = 25
+    eval_freq: int = 15
     """validate every N steps (0 = only at the end)"""
-    save_freq: int = 30
+    save_freq: int = 15
     """checkpoint every N steps (0 = only at the end)"""
     keep_checkpoints: int = 2
     """keep the last N step_* checkpoints"""
     resume: str = "auto"
     """auto (latest checkpoint in output_dir), off, or a checkpoint path"""
-    stats_max_pairs: int = 500
+    stats_max_pairs: int = 100
     """training pairs scored at the end for reward_stats.json (0 = all)"""
 
 
