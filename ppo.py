@@ -45,9 +45,9 @@ from critic import explained_variance, gae, load_critic, value_loss
 from kl import KLController, kl_estimate, kl_penalty_rewards
 from rewards import Scorer
 from rollout import HFRollout, left_pad, make_rollout
-from utils import (autocast, autocast_dtype, checkpoint_step, console_line, drop_metrics_after, exact_div,
-                   load_policy, load_tokenizer, make_optimizer, MetricsLogger, plot_curves, resolve_resume,
-                   sample_table, save_checkpoint, save_pretrained_atomic, timed)
+from utils import (autocast, autocast_dtype, console_line, exact_div, load_policy, load_reference, load_tokenizer,
+                   make_optimizer, MetricsLogger, plot_curves, reduce_metrics, resume_or_start, sample_table,
+                   save_checkpoint, save_pretrained_atomic, timed)
 
 LOGITS_CHUNK = 1024  # positions whose fp32 log-softmax is computed at once (see chunked_logprobs_entropy)
 
@@ -304,13 +304,6 @@ def critic_loss(cfg, critic, mb, dtype, norm, stats):
     return cfg.critic.vf_coef * agg_loss(vf, mask, "token-mean", *norm)
 
 
-def reduce_metrics(accelerator, metrics: dict) -> dict:
-    """Means over processes (maxima for *_max keys); every process holds the same keys."""
-    values = torch.tensor(list(metrics.values()), device=accelerator.device, dtype=torch.float64)
-    means, maxima = accelerator.reduce(values, "mean").tolist(), accelerator.reduce(values, "max").tolist()
-    return {k: (hi if k.endswith("_max") else m) for k, m, hi in zip(metrics, means, maxima)}
-
-
 class TrainState:
     """What a checkpoint needs beyond models and optimisers: the step, the data position, β."""
 
@@ -380,14 +373,6 @@ def check_sizes(cfg, world: int, num_rows: int) -> dict:
                 batch=prompts * n)
 
 
-def prepare_frozen(accelerator, model):
-    """The reference model: sharded like the actor under FSDP, else one replica per device (no DDP: no grads)."""
-    model.eval().requires_grad_(False)
-    if accelerator.distributed_type.name == "FSDP":
-        return accelerator.prepare_model(model)
-    return model.to(accelerator.device)
-
-
 def main(cfg: config.Config):
     accelerator = Accelerator()
     print0 = functools.partial(accelerator.print, flush=True)  # rank 0 only; flushed even into a pipe
@@ -415,8 +400,7 @@ def main(cfg: config.Config):
     use_ref = alg.use_kl_in_reward or alg.use_kl_loss
     ref = None
     if use_ref and cfg.model.lora_rank == 0:  # with LoRA the reference is the actor with its adapter disabled
-        from transformers import AutoModelForCausalLM
-        ref = prepare_frozen(accelerator, AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32))
+        ref = load_reference(cfg.model.path, accelerator)
     actor_opt, actor_sched = make_optimizer(policy, cfg.actor.optim, t.total_steps)
     critic = critic_opt = critic_sched = None
     if alg.adv_estimator == "gae":
@@ -433,17 +417,8 @@ def main(cfg: config.Config):
     accelerator.register_for_checkpointing(state, actor_sched, *([critic_sched] if critic else []))
     logger = MetricsLogger(t.output_dir, t.logger, config.to_dict(cfg), t.project_name, t.experiment_name,
                            accelerator.is_main_process)
-    resume_from = resolve_resume(t.resume, t.output_dir)
-    if resume_from:
-        accelerator.load_state(resume_from)
+    if resume_from := resume_or_start(accelerator, t.resume, t.output_dir, logger, cfg):
         print0(f"resumed from {resume_from} at step {state.step}")
-        if accelerator.is_main_process:
-            drop_metrics_after(logger.path, checkpoint_step(resume_from))
-    elif accelerator.is_main_process and os.path.exists(logger.path):
-        os.remove(logger.path)  # a fresh run starts a fresh log
-    if accelerator.is_main_process:
-        os.makedirs(t.output_dir, exist_ok=True)
-        config.save(cfg, os.path.join(t.output_dir, "config.yaml"))
     rollout = make_rollout(cfg, policy, tokenizer, accelerator, dtype)
     unwrapped = accelerator.unwrap_model(policy)
     temperature = cfg.rollout.temperature or 1.0

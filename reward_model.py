@@ -45,8 +45,8 @@ from tqdm import tqdm
 
 import config
 import data
-from utils import (autocast, autocast_dtype, checkpoint_step, console_line, drop_metrics_after, exact_div,
-                   load_tokenizer, make_optimizer, MetricsLogger, resolve_resume, save_checkpoint,
+from utils import (autocast, autocast_dtype, console_line, exact_div,
+                   load_tokenizer, make_optimizer, MetricsLogger, resume_or_start, save_checkpoint,
                    save_pretrained_atomic)
 
 # ---------------------------------------------------------------------------------------
@@ -253,16 +253,8 @@ def main(cfg: config.Config):
     accelerator.register_for_checkpointing(position, scheduler)
     logger = MetricsLogger(rm.output_dir, rm.logger, config.to_dict(cfg), rm.project_name, rm.experiment_name,
                            accelerator.is_main_process)
-    resume_from = resolve_resume(rm.resume, rm.output_dir)
-    if resume_from:
-        accelerator.load_state(resume_from)
+    if resume_from := resume_or_start(accelerator, rm.resume, rm.output_dir, logger, cfg):
         print0(f"resumed from {resume_from} at step {position.step}")
-        if accelerator.is_main_process:
-            drop_metrics_after(logger.path, checkpoint_step(resume_from))
-    elif accelerator.is_main_process and os.path.exists(logger.path):
-        os.remove(logger.path)  # a fresh run starts a fresh log
-    if accelerator.is_main_process:
-        config.save(cfg, os.path.join(rm.output_dir, "config.yaml"))
 
     bar = tqdm(range(position.step, rm.total_steps), initial=position.step, total=rm.total_steps,
                disable=not accelerator.is_main_process, dynamic_ncols=True)

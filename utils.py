@@ -70,6 +70,17 @@ def load_policy(cfg_model):
     return model
 
 
+def load_reference(path: str, accelerator):
+    """The frozen reference policy: sharded like the actor under FSDP, else one replica per device
+    (not DDP-wrapped: it has no gradients to average)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
+    if accelerator.distributed_type.name == "FSDP":
+        return accelerator.prepare_model(model)
+    return model.to(accelerator.device)
+
+
 def lr_lambda(total_steps: int, warmup_ratio: float, scheduler: str, min_lr_ratio: float):
     """Multiplier of the peak lr at step s: linear warmup, then cosine down to min_lr_ratio (or constant)."""
     warmup = int(warmup_ratio * total_steps)
@@ -204,6 +215,31 @@ def resolve_resume(resume: str, output_dir: str):
     if not os.path.isdir(resume):
         raise FileNotFoundError(f"trainer.resume: checkpoint folder {resume} does not exist")
     return resume
+
+
+def resume_or_start(accelerator, resume: str, output_dir: str, logger, cfg):
+    """Load the checkpoint trainer.resume names (forgetting metrics logged after it), or start a fresh
+    log; either way write the resolved config.yaml. Returns the checkpoint folder, or None."""
+    import config
+
+    path = resolve_resume(resume, output_dir)
+    if path:
+        accelerator.load_state(path)
+        if accelerator.is_main_process:
+            drop_metrics_after(logger.path, checkpoint_step(path))
+    elif accelerator.is_main_process and os.path.exists(logger.path):
+        os.remove(logger.path)  # a fresh run starts a fresh log
+    if accelerator.is_main_process:
+        os.makedirs(output_dir, exist_ok=True)
+        config.save(cfg, os.path.join(output_dir, "config.yaml"))
+    return path
+
+
+def reduce_metrics(accelerator, metrics: dict) -> dict:
+    """Means over processes (maxima for *_max keys); every process holds the same keys."""
+    values = torch.tensor(list(metrics.values()), device=accelerator.device, dtype=torch.float64)
+    means, maxima = accelerator.reduce(values, "mean").tolist(), accelerator.reduce(values, "max").tolist()
+    return {k: (hi if k.endswith("_max") else m) for k, m, hi in zip(metrics, means, maxima)}
 
 
 def checkpoint_step(path: str) -> int:
