@@ -17,9 +17,10 @@
 RL parquet layouts read by `load_rl_dataset`: ours (above), or verl's unchanged (prompt as chat
 messages, reward_model.ground_truth, data_source, extra_info, ability).
 
-The demo asks "a + b" in a one-shot chat and the `arithmetic` reward (rewards.py) wants the bare sum.
-On SmolLM2-135M-Instruct, make_arithmetic(200, 0) scores 0.27 greedy and 0.11 sampled at T=1.0
-(one-digit sums 0.29 / 0.12, two-digit 0.0 / 0.0): room to learn.
+The demo asks "a + b" (one operand from 10 to 19, the other one-digit) in a one-shot chat, and the
+`arithmetic` reward (rewards.py) wants "a + b = c" or the bare sum. SmolLM2-135M-Instruct adds one-digit
+numbers well in this form (0.95 greedy) but gets about half of these sums wrong ("15 + 2 = 27"): room to
+learn one rule, the tens digit.
 """
 import argparse
 import json
@@ -30,12 +31,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'  # verl's wording
-# The demo prompt is a one-shot chat: SmolLM2-135M-Instruct answers every plain-string wording we tried
-# ("What is 6 + 6? Reply with only the number.", …) with "The answer is 12.", which the strict reward
-# scores 0; one worked example turn makes it reply with the bare number.
-ARITHMETIC_SYSTEM = "Reply with only the number."
-ARITHMETIC_SHOT = ("2 + 3", "5")
-ARITHMETIC_TWO_DIGIT_FRACTION = 0.1  # share with a two-digit operand (greedy accuracy there: 0.0)
+# The demo prompt is a one-shot chat. Asked plainly ("What is 6 + 6?"), SmolLM2-135M-Instruct answers in
+# sentences; shown "2 + 3" → "5" it answers a bare number but is right only 0.2 of the time; shown the
+# equation written out it is right on 0.95 of one-digit sums (measured on 100-200 prompts each).
+ARITHMETIC_SYSTEM = "Add the numbers."
+ARITHMETIC_SHOT = ("6 + 7", "6 + 7 = 13")
 HH_ASSISTANT = "\n\nAssistant:"
 
 
@@ -207,13 +207,9 @@ def split_rows(rows: list[dict], val_fraction: float, seed: int) -> tuple[list[d
 
 
 def arithmetic_question(rng: random.Random) -> tuple[int, int]:
-    """Two operands: both one-digit, or (with ARITHMETIC_TWO_DIGIT_FRACTION) one of them two-digit."""
-    a, b = rng.randint(0, 9), rng.randint(0, 9)
-    if rng.random() < ARITHMETIC_TWO_DIGIT_FRACTION:
-        a = rng.randint(10, 99)
-        if rng.random() < 0.5:
-            a, b = b, a
-    return a, b
+    """Two operands, in either order: one from 10 to 19, one from 0 to 9."""
+    a, b = rng.randint(10, 19), rng.randint(0, 9)
+    return (a, b) if rng.random() < 0.5 else (b, a)
 
 
 def arithmetic_prompt(a: int, b: int) -> list[dict]:
@@ -234,18 +230,19 @@ def make_arithmetic(n: int, seed: int) -> list[dict]:
 
 
 def make_arithmetic_preferences(n: int, seed: int) -> list[dict]:
-    """n pairs: chosen is the bare correct answer; rejected is a near-miss number (2/3) or the right
-    number in a form the strict reward refuses (1/3), so the reward model learns what the rule scores."""
+    """n pairs: chosen is the correct equation "a + b = c"; rejected is the equation with a near-miss
+    sum (2/3) or the right sum in a form the strict reward refuses (1/3), so the reward model learns
+    what the rule scores."""
     rng, wrong_rng = random.Random(seed), random.Random(f"rejected-{seed}")  # same questions as make_arithmetic
     rows = []
     for _ in range(n):
         a, b = arithmetic_question(rng)
         c = a + b
         if wrong_rng.random() < 2 / 3:
-            rejected = str(c + wrong_rng.choice([d for d in (-3, -2, -1, 1, 2, 3) if c + d >= 0]))
+            rejected = f"{a} + {b} = {c + wrong_rng.choice([-10, -2, -1, 1, 2, 10])}"
         else:
-            rejected = wrong_rng.choice([f"The answer is {c}.", f"{a} + {b} = {c}", f"{c}\n{c}"])
-        rows.append({"prompt": arithmetic_prompt(a, b), "chosen": str(c), "rejected": rejected})
+            rejected = wrong_rng.choice([f"The answer is {c}.", f"{a} + {b} = {c}\n{a} + {b} = {c}", f"{c} = {a} + {b}"])
+        rows.append({"prompt": arithmetic_prompt(a, b), "chosen": f"{a} + {b} = {c}", "rejected": rejected})
     return rows
 
 

@@ -3,7 +3,7 @@
 Built-ins, chosen by data_source in `default_compute_score`:
   openai/gsm8k, gsm8k        "#### <n>" compared numerically to the ground truth (verl's gsm8k.py)
   lighteval/MATH, …, math    the last \\boxed{…}, lightly normalised, compared as a string
-  arithmetic                 the demo: the whole response must be the number and nothing else
+  arithmetic                 the demo: the whole response must be "a + b = c" or the bare number c
 
 A custom function is `reward.function=path/to/file.py:name`; verl reward files work unchanged.
 A function may return a number, or a dict with "score" and other numbers to log.
@@ -90,16 +90,15 @@ def math_score(solution_str: str, ground_truth: str) -> float:
 
 # ---- arithmetic (the demo)
 
-STRICT_INTEGER = re.compile(r"-?[0-9]+\.?")
+EQUATION_OR_INTEGER = re.compile(r"(?:[0-9+ ]+=\s*)?(-?[0-9]+)\.?")
 
 
 def arithmetic_score(solution_str: str, ground_truth: str) -> float:
-    """1.0 only when the whole stripped response is an integer (optionally one trailing '.') equal to the
-    ground truth. Lenient parsing ("the number after =") gets gamed: responses grow long and repetitive."""
-    response = solution_str.strip()
-    if not STRICT_INTEGER.fullmatch(response):
-        return 0.0
-    return float(int(response.rstrip(".")) == int(str(ground_truth).strip()))
+    """1.0 only when the whole stripped response is "a + b = c" (digits, '+' and spaces before a single
+    '=') or the bare integer c, optionally with one trailing '.', and c equals the ground truth.
+    Lenient parsing ("the number after =" anywhere) gets gamed: responses grow long and repetitive."""
+    match = EQUATION_OR_INTEGER.fullmatch(solution_str.strip())
+    return float(bool(match) and int(match.group(1)) == int(str(ground_truth).strip()))
 
 
 # ---- dispatch and loading

@@ -209,11 +209,11 @@ def test_generators_are_deterministic_and_correct():
     for r in data.make_arithmetic(200, 0):
         a, b = r["extra_info"]["a"], r["extra_info"]["b"]
         assert r["ground_truth"] == str(a + b) and r["prompt"] == data.arithmetic_prompt(a, b)
-        assert r["data_source"] == "arithmetic" and max(a, b) <= 99
+        assert r["data_source"] == "arithmetic" and sorted([a // 10, b // 10]) == [0, 1]  # one-digit and 10–19
     prefs = data.make_arithmetic_preferences(200, 0)
     assert prefs == data.make_arithmetic_preferences(200, 0)
     gts = [r["ground_truth"] for r in data.make_arithmetic(200, 0)]
-    assert [p["chosen"] for p in prefs] == gts  # the same questions in the same order
+    assert [p["chosen"].split(" = ")[1] for p in prefs] == gts  # the same questions in the same order
     assert all(arithmetic_score(p["chosen"], g) == 1.0 and arithmetic_score(p["rejected"], g) == 0.0
                for p, g in zip(prefs, gts))
 
@@ -246,7 +246,7 @@ def test_cli_task_arithmetic_writes_train_and_val(tmp_path):
     assert f"wrote {out}/train.parquet (30 rows)" in proc.stdout and f"wrote {out}/val.parquet (6 rows)" in proc.stdout
     assert pq.read_table(out / "train.parquet").to_pylist() == data.make_arithmetic(36, 0)[:30]
     rows, _ = data.load_rl_dataset(str(out / "val.parquet"), tiny_tokenizer(), 128, "error")
-    assert rows[0]["prompt_text"].startswith("<s><|system|> Reply with only the number. <|user|> 2 + 3 <|assistant|> 5 ")
+    assert rows[0]["prompt_text"].startswith("<s><|system|> Add the numbers. <|user|> 6 + 7 <|assistant|> 6 + 7 = 13 ")
 
 
 def test_cli_task_arithmetic_preferences(tmp_path):

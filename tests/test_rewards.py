@@ -61,11 +61,12 @@ def test_math_score_normalises_lightly():
 
 
 @pytest.mark.parametrize("response, score", [
-    ("8", 1.0), (" 8. ", 1.0), ("\n8\n", 1.0),
-    ("8\n8", 0.0), ("The answer is 8", 0.0), ("80", 0.0), ("8..", 0.0), ("3 + 5 = 8", 0.0), ("8!", 0.0), ("", 0.0),
+    ("8", 1.0), (" 8. ", 1.0), ("\n8\n", 1.0), ("3 + 5 = 8", 1.0), ("3+5=8.", 1.0), ("1 + 2 + 5 = 8", 1.0),
+    ("8\n8", 0.0), ("The answer is 8", 0.0), ("80", 0.0), ("8..", 0.0), ("3 + 5 = 9", 0.0), ("8!", 0.0), ("", 0.0),
+    ("3 + 5 = 8\n3 + 5 = 8", 0.0), ("3 + 5 = 8 = 8", 0.0), ("8 = 3 + 5", 0.0), ("So 3 + 5 = 8", 0.0), ("3 + 5 =", 0.0),
 ])
 def test_arithmetic_is_strict(response, score):
-    """Only the bare integer (optionally with one '.') equal to the ground truth scores 1."""
+    """Only "a + b = c" or the bare integer c (optionally with one '.'), c equal to the ground truth, scores 1."""
     assert arithmetic_score(response, "8") == score
 
 
