@@ -4,10 +4,11 @@
     .venv/bin/python bench/rollout_bench.py --models tiny --shapes 8x8 --repeats 5
 
 Each (model, backend) runs in its own process, so vLLM's thread pinning cannot slow the HF run. Both sample
-at T=1 in --dtype (bf16: HF autocasts over fp32 weights, as the trainer does; vLLM holds bf16 weights) with
-rollout.ignore_eos, so every response is --new-tokens long and both backends make the same amount of work.
-Engine start-up and one warm-up call are left out of the timing and printed beside it; tokens/s is the median
-over --repeats calls. On a shared machine the load average (printed) moves these figures more than anything.
+at T=1 in --dtype (auto picks as rollout.dtype does; in bf16 HF autocasts over fp32 weights, as the trainer
+does, and vLLM holds bf16 weights) with rollout.ignore_eos, so every response is --new-tokens long and both
+backends do the same work. Engine start-up and one warm-up call are left out of the timing and printed beside
+it; tokens/s is the median over --repeats calls. On a shared machine the load average (printed) moves these
+figures more than anything.
 """
 import argparse
 import json
@@ -77,10 +78,13 @@ def main():
     parser.add_argument("--shapes", nargs="+", default=["64x1", "8x8"], help="PROMPTSxSAMPLES")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"],
-                        help="bf16 is emulated, and slow, on CPUs without AVX512-BF16 or AMX")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
+                        help="auto: bf16 where it is fast (CUDA, AVX512-BF16, AMX), else fp32, as rollout.dtype")
     parser.add_argument("--one", nargs=4, metavar=("DIR", "BACKEND", "PROMPTS", "N"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.dtype == "auto":
+        from utils import fast_bf16
+        args.dtype = "bf16" if fast_bf16() else "fp32"
     if args.one:  # the child process
         model_dir, backend, n_prompts, n = args.one
         print("RESULT " + json.dumps(run_one(model_dir, backend, int(n_prompts), int(n), args.new_tokens,
