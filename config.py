@@ -41,6 +41,9 @@ class ModelConfig:
     """LoRA only in the last N decoder layers (0 = all); the backward pass then stops below them"""
     use_remove_padding: bool = False
     """pack sequences without padding in training forwards"""
+    share_prompt_prefix: bool = True
+    """run each distinct prompt of a micro-batch once and let its n responses attend to its KV cache
+    (policy and reference forwards; not with packing, gradient checkpointing or FSDP)"""
 
 
 @dataclass
@@ -73,7 +76,7 @@ class RolloutConfig:
     """nucleus sampling mass (1 = off)"""
     top_k: int = -1
     """sample among the k likeliest tokens (-1 = off)"""
-    max_response_length: int = 8
+    max_response_length: int = 16
     """most new tokens per response"""
     val_temperature: float = 0.0
     """temperature for validation (0 = greedy)"""
@@ -123,7 +126,7 @@ class AlgorithmConfig:
     """controller for β"""
     use_kl_loss: bool = True
     """add kl_loss_coef·KL(policy‖ref) to the policy loss (as GRPO does)"""
-    kl_loss_coef: float = 0.02
+    kl_loss_coef: float = 0.1
     """weight of the KL loss"""
     kl_loss_type: Literal["k1", "k2", "k3", "abs"] = "k3"
     """KL estimator for the KL loss"""
@@ -151,7 +154,7 @@ class OptimConfig:
 
 @dataclass
 class ActorConfig:
-    optim: OptimConfig = field(default_factory=OptimConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr_scheduler="constant"))
     """actor optimiser"""
     ppo_epochs: int = 1
     """passes over each batch of rollouts"""
@@ -247,7 +250,10 @@ class TrainerConfig:
     resume: str = "auto"
     """auto (latest checkpoint in output_dir), off, or a checkpoint path"""
     max_kl: float = 0.1
-    """stop (after a checkpoint) when kl/mean exceeds this (0 = never)"""
+    """stop (after a checkpoint) when kl/mean, averaged over the last max_kl_window steps, exceeds this (0 = never)"""
+    max_kl_window: int = 10
+    """steps averaged by the max_kl guard: one step's estimate from a small batch is noisy (the demo's
+    32 samples gave 0.003, 0.16, 0.07 on consecutive steps)"""
     min_entropy: float = 0.0
     """act when policy/entropy falls below this (0 = never)"""
     min_entropy_action: Literal["warn", "stop"] = "warn"

@@ -157,6 +157,16 @@ def chunked_logprobs_entropy(logits, tokens, temperature: float, with_entropy: b
 # Batches
 
 
+def batch_layout(cfg_model, distributed_type: str) -> str:
+    """How training forwards lay out a micro-batch: "packed", "shared" (prompt prefix) or "padded"."""
+    if cfg_model.use_remove_padding:
+        return "packed"
+    # HF drops the KV cache under gradient checkpointing; FSDP2 with two forwards per backward is untested
+    if cfg_model.share_prompt_prefix and not cfg_model.gradient_checkpointing and distributed_type != "FSDP":
+        return "shared"
+    return "padded"
+
+
 def model_inputs(mb: dict, packed: bool):
     """The forward's inputs, and where in its output the predictions of the response tokens are.
 
@@ -207,14 +217,40 @@ def split_micro(inds, lengths, size: int, max_tokens: int = 0):
     return out + [torch.tensor(cur)]
 
 
-def forward_logprobs(model, mb, temperature: float, dtype, with_entropy: bool, packed: bool = False):
-    """log π(response token t | prefix) and the entropy at each response position, (B, Tr) each."""
-    inputs, keep = model_inputs(mb, packed)
+def shared_prompt_logits(model, mb):
+    """Logits that predict the response tokens, with each distinct prompt run once: (B, Tr, V).
+
+    With n responses per prompt most of a padded forward recomputes the same prompt n times. Here the
+    distinct prompts go through the model once; their KV cache is gathered to the B rows (index_select
+    keeps the autograd graph, so gradients still reach weights through the prompt) and the responses
+    attend to it. Equal to the padded path within fp32 rounding (tests/test_packing.py).
+    """
+    queries, query_mask, responses = mb["queries"], mb["query_mask"], mb["responses"]
+    distinct, row_of = torch.unique(torch.cat([queries, query_mask], 1), dim=0, return_inverse=True)
+    prompt_ids, prompt_mask = distinct.split(queries.shape[1], dim=1)  # (U, Tq) each
+    prompt = model(input_ids=prompt_ids, attention_mask=prompt_mask,
+                   position_ids=(prompt_mask.cumsum(1) - 1).clamp(min=0), use_cache=True, logits_to_keep=1)
+    cache = prompt.past_key_values
+    cache.reorder_cache(row_of)  # (U, …) → (B, …): each row gets its prompt's keys and values
+    positions = query_mask.sum(1, keepdim=True) + torch.arange(responses.shape[1], device=responses.device)
+    out = model(input_ids=responses, attention_mask=torch.cat([query_mask, mb["response_mask"]], 1),
+                position_ids=positions, past_key_values=cache, use_cache=True)
+    return torch.cat([prompt.logits[row_of], out.logits[:, :-1]], dim=1)  # (B, 1 + Tr − 1, V)
+
+
+def forward_logprobs(model, mb, temperature: float, dtype, with_entropy: bool, layout: str = "padded"):
+    """log π(response token t | prefix) and the entropy at each response position, (B, Tr) each.
+    layout: "padded", "packed" (model.use_remove_padding) or "shared" (model.share_prompt_prefix)."""
     Tr, mask = mb["responses"].shape[1], mb["response_mask"].bool()
-    with autocast(inputs["input_ids"].device, dtype):
-        # logits only where they predict a response token: (B, Tr, V) or (K, V), never (B, Tq+Tr, V)
-        logits = model(**inputs, logits_to_keep=Tr + 1 if keep is None else keep, use_cache=False).logits
-    logits = logits[:, :-1] if keep is None else logits[0]  # (B, Tr, V) or (K, V)
+    keep = None
+    with autocast(mb["responses"].device, dtype):
+        if layout == "shared":
+            logits = shared_prompt_logits(model, mb)  # (B, Tr, V)
+        else:
+            inputs, keep = model_inputs(mb, layout == "packed")
+            # logits only where they predict a response token: (B, Tr, V) or (K, V), never (B, Tq+Tr, V)
+            logits = model(**inputs, logits_to_keep=Tr + 1 if keep is None else keep, use_cache=False).logits
+            logits = logits[:, :-1] if keep is None else logits[0]  # (B, Tr, V) or (K, V)
     targets = mb["responses"] if keep is None else mb["responses"][mask]
     logprobs, entropy = chunked_logprobs_entropy(logits, targets, temperature, with_entropy, LOGITS_CHUNK)
     if keep is not None:  # back from (K,) to (B, Tr)
@@ -223,9 +259,9 @@ def forward_logprobs(model, mb, temperature: float, dtype, with_entropy: bool, p
     return logprobs, entropy
 
 
-def forward_values(critic, mb, dtype, packed: bool = False):
+def forward_values(critic, mb, dtype, layout: str = "padded"):
     """V(s_t) before each response token, from the same positions as the logprobs: (B, Tr)."""
-    inputs, keep = model_inputs(mb, packed)
+    inputs, keep = model_inputs(mb, layout == "packed")
     Tr, mask = mb["responses"].shape[1], mb["response_mask"].bool()
     with autocast(inputs["input_ids"].device, dtype):
         values = critic(**inputs, use_cache=False).logits[..., 0].float()  # (B, Tq+Tr) or (1, N)
@@ -261,10 +297,10 @@ def train_mini_batch(accelerator, model, optimizer, micro_batches, loss_fn, max_
     return grad_norm.item() if finite else None
 
 
-def actor_loss(cfg, policy, mb, temperature, dtype, norm, on_policy, use_ref, first_epoch, stats):
+def actor_loss(cfg, policy, mb, temperature, dtype, layout, norm, on_policy, use_ref, first_epoch, stats):
     """Clipped policy loss (× rollout importance weight) − entropy bonus + KL loss, for one micro-batch."""
     alg, mask = cfg.algorithm, mb["response_mask"].float()
-    logprobs, entropy = forward_logprobs(policy, mb, temperature, dtype, True, cfg.model.use_remove_padding)
+    logprobs, entropy = forward_logprobs(policy, mb, temperature, dtype, True, layout)
     old = logprobs.detach() if on_policy else mb["old_logprobs"]  # departure 3
     pg, clipped = policy_loss(logprobs, old, mb["advantages"], cfg.actor.clip_ratio_low,
                               cfg.actor.clip_ratio_high, cfg.actor.clip_ratio_c)
@@ -284,8 +320,9 @@ def actor_loss(cfg, policy, mb, temperature, dtype, norm, on_policy, use_ref, fi
     if use_ref:
         if alg.use_kl_loss:
             loss_mat = loss_mat + alg.kl_loss_coef * kl_estimate(logprobs, mb["ref_logprobs"], alg.kl_loss_type)
-        if first_epoch:  # kl/mean: the rollout policy's distance from the reference
-            kind = alg.kl_penalty if alg.use_kl_in_reward else alg.kl_loss_type
+        if first_epoch:  # kl/mean: the rollout policy's distance from the reference, as penalised, else k1:
+            # unbiased like k3, without k3's heavy tail (r − 1 − log r for a token π has nearly dropped)
+            kind = alg.kl_penalty if alg.use_kl_in_reward else "k1"
             stats["kl/mean"].append(masked_mean(kl_estimate(old, mb["ref_logprobs"], kind), mask).item())
     stats["loss/policy"].append(masked_mean(pg.detach(), mask).item())
     stats["policy/clipfrac"].append(masked_mean(clipped, mask).item())
@@ -294,10 +331,10 @@ def actor_loss(cfg, policy, mb, temperature, dtype, norm, on_policy, use_ref, fi
     return agg_loss(loss_mat, mask, cfg.actor.loss_agg_mode, *norm)
 
 
-def critic_loss(cfg, critic, mb, dtype, norm, stats):
+def critic_loss(cfg, critic, mb, dtype, layout, norm, stats):
     """vf_coef · clipped value loss, token-mean over the mini-batch, for one micro-batch."""
     mask = mb["response_mask"].float()
-    values = forward_values(critic, mb, dtype, cfg.model.use_remove_padding)
+    values = forward_values(critic, mb, dtype, layout)
     vf, vf_clipfrac = value_loss(values, mb["values"], mb["returns"], mask, cfg.critic.cliprange_value)
     stats["loss/value"].append(masked_mean(vf.detach(), mask).item())
     stats["value/clipfrac"].append(vf_clipfrac.item())
@@ -305,18 +342,19 @@ def critic_loss(cfg, critic, mb, dtype, norm, stats):
 
 
 class TrainState:
-    """What a checkpoint needs beyond models and optimisers: the step, the data position, β."""
+    """What a checkpoint needs beyond models and optimisers: the step, the data position, β, recent KL."""
 
     def __init__(self, kl_ctrl: KLController):
         self.step, self.epoch, self.position, self.skipped, self.kl_ctrl = 0, 0, 0, 0, kl_ctrl
+        self.recent_kl = []  # kl/mean of the last trainer.max_kl_window steps, for the guard
 
     def state_dict(self):
         return {"step": self.step, "epoch": self.epoch, "position": self.position, "skipped": self.skipped,
-                "kl_coef": self.kl_ctrl.value}
+                "kl_coef": self.kl_ctrl.value, "recent_kl": self.recent_kl}
 
     def load_state_dict(self, s):
         self.step, self.epoch, self.position, self.skipped = s["step"], s["epoch"], s["position"], s["skipped"]
-        self.kl_ctrl.value = s["kl_coef"]
+        self.kl_ctrl.value, self.recent_kl = s["kl_coef"], s.get("recent_kl", [])
 
 
 def next_prompts(state: TrainState, num_rows: int, batch_size: int, seed: int, shuffle: bool):
@@ -422,13 +460,13 @@ def main(cfg: config.Config):
     rollout = make_rollout(cfg, policy, tokenizer, accelerator, dtype)
     unwrapped = accelerator.unwrap_model(policy)
     temperature = cfg.rollout.temperature or 1.0
-    packed = cfg.model.use_remove_padding
+    layout = batch_layout(cfg.model, accelerator.distributed_type.name)
 
     def ref_logprobs_of(mb):
         if ref is not None:
-            return forward_logprobs(ref, mb, temperature, dtype, False, packed)[0]
+            return forward_logprobs(ref, mb, temperature, dtype, False, layout)[0]
         with unwrapped.disable_adapter():
-            return forward_logprobs(unwrapped, mb, temperature, dtype, False, packed)[0]
+            return forward_logprobs(unwrapped, mb, temperature, dtype, False, layout)[0]
 
     lp_micro, max_tok = cfg.actor.log_prob_micro_batch_size_per_device, (
         cfg.actor.max_token_len_per_device if cfg.actor.use_dynamic_bsz else 0)
@@ -475,14 +513,14 @@ def main(cfg: config.Config):
         if not on_policy_shortcut:
             with timed(times, "time/old_logprob_s"):
                 batch["old_logprobs"] = per_token_pass(
-                    lambda mb: forward_logprobs(policy, mb, temperature, dtype, False, packed)[0],
+                    lambda mb: forward_logprobs(policy, mb, temperature, dtype, False, layout)[0],
                     batch, lp_micro, max_tok, tok_lengths, device)
         if use_ref:
             with timed(times, "time/ref_s"):
                 batch["ref_logprobs"] = per_token_pass(ref_logprobs_of, batch, lp_micro, max_tok, tok_lengths, device)
         if critic is not None:
             with timed(times, "time/values_s"):
-                batch["values"] = per_token_pass(lambda mb: forward_values(critic, mb, dtype, packed), batch, lp_micro,
+                batch["values"] = per_token_pass(lambda mb: forward_values(critic, mb, dtype, layout), batch, lp_micro,
                                                  max_tok, tok_lengths, device) * response_mask
 
         # ---- 5. rewards = score at the last token − β·KL at every token
@@ -521,7 +559,7 @@ def main(cfg: config.Config):
                     with timed(times, "time/update_actor_s"):
                         micros = [micro_batch(batch, i, device) for i in
                                   split_micro(mb_inds, tok_lengths, sizes["micro"], max_tok)]
-                        loss_fn = lambda mb: actor_loss(cfg, policy, mb, temperature, dtype, norm, on_policy_shortcut,  # noqa: E731
+                        loss_fn = lambda mb: actor_loss(cfg, policy, mb, temperature, dtype, layout, norm, on_policy_shortcut,  # noqa: E731
                                                         use_ref, epoch == 0, stats)
                         grad_norm = train_mini_batch(accelerator, policy, actor_opt, micros, loss_fn,
                                                      cfg.actor.max_grad_norm)
@@ -531,7 +569,7 @@ def main(cfg: config.Config):
                     with timed(times, "time/update_critic_s"):
                         micros = [micro_batch(batch, i, device) for i in
                                   split_micro(mb_inds, tok_lengths, sizes["critic_micro"], max_tok)]
-                        loss_fn = lambda mb: critic_loss(cfg, critic, mb, dtype, norm, stats)  # noqa: E731
+                        loss_fn = lambda mb: critic_loss(cfg, critic, mb, dtype, layout, norm, stats)  # noqa: E731
                         grad_norm = train_mini_batch(accelerator, critic, critic_opt, micros, loss_fn,
                                                      cfg.actor.max_grad_norm)
                     state.skipped += grad_norm is None
@@ -565,7 +603,20 @@ def main(cfg: config.Config):
         metrics["train/skipped_steps"] = state.skipped
         state.step = step
 
-        if val_rows and ((t.test_freq and step % t.test_freq == 0) or step == t.total_steps):
+        # ---- guards: a run that drifts too far from the reference, or collapses, is validated and stops
+        state.recent_kl = (state.recent_kl + [metrics.get("kl/mean", 0.0)])[-t.max_kl_window:]
+        if t.max_kl and sum(state.recent_kl) / len(state.recent_kl) > t.max_kl:
+            stop_reason = (f"kl/mean over the last {len(state.recent_kl)} steps "
+                           f"{sum(state.recent_kl) / len(state.recent_kl):.4f} > trainer.max_kl {t.max_kl}")
+        if t.min_entropy and metrics.get("policy/entropy", t.min_entropy) < t.min_entropy:
+            message = f"policy/entropy {metrics['policy/entropy']:.4f} < trainer.min_entropy {t.min_entropy}"
+            if t.min_entropy_action == "stop":
+                stop_reason = message
+            else:
+                print0("warning: " + message)
+
+        # validate (every test_freq steps, and at the end however it comes) and log
+        if val_rows and ((t.test_freq and step % t.test_freq == 0) or step == t.total_steps or stop_reason):
             metrics.update(validate(cfg, rollout, tokenizer, scorer, val_rows, accelerator))
         logger.log(metrics, step)
         bar.set_postfix(score=f"{metrics['score/mean']:.3f}", kl=f"{metrics.get('kl/mean', 0):.4f}")
@@ -575,16 +626,6 @@ def main(cfg: config.Config):
         if t.sample_freq and step % t.sample_freq == 0:
             shown = list(range(0, B, max(1, B // t.num_samples_to_show)))[:t.num_samples_to_show]
             print0(sample_table([(rows[i]["prompt_text"][-40:], texts[i], scores[i].item()) for i in shown]))
-
-        # ---- guards: a run that drifts too far from the reference, or collapses, stops with a checkpoint
-        if t.max_kl and metrics.get("kl/mean", 0.0) > t.max_kl:
-            stop_reason = f"kl/mean {metrics['kl/mean']:.4f} > trainer.max_kl {t.max_kl}"
-        if t.min_entropy and metrics.get("policy/entropy", t.min_entropy) < t.min_entropy:
-            message = f"policy/entropy {metrics['policy/entropy']:.4f} < trainer.min_entropy {t.min_entropy}"
-            if t.min_entropy_action == "stop":
-                stop_reason = message
-            else:
-                print0("warning: " + message)
 
         # ---- 10. checkpoint
         if (t.save_freq and step % t.save_freq == 0) or step == t.total_steps or stop_reason:

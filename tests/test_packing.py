@@ -1,4 +1,5 @@
-"""Sequence packing (model.use_remove_padding) and token-budget micro-batches give the padded path's numbers."""
+"""Sequence packing (model.use_remove_padding), the shared prompt prefix (model.share_prompt_prefix) and
+token-budget micro-batches give the padded path's numbers."""
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -12,10 +13,12 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = 1e-4 if DEVICE == "cpu" else 2e-3
 
 
-def random_batch(B=6, vocab=200, seed=0):
-    """Prompts and responses of different lengths, padded the way ppo.py pads them."""
+def random_batch(B=6, vocab=200, seed=0, n=1):
+    """Prompts (each repeated n times in a row, as GRPO samples them) and responses of different lengths,
+    padded the way ppo.py pads them."""
     g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(3, vocab, (int(n),), generator=g).tolist() for n in torch.randint(3, 12, (B,), generator=g)]
+    prompts = [torch.randint(3, vocab, (int(k),), generator=g).tolist() for k in torch.randint(3, 12, (B // n,), generator=g)]
+    prompts = [p for p in prompts for _ in range(n)]
     responses = [torch.randint(3, vocab, (int(n),), generator=g).tolist() for n in torch.randint(1, 9, (B,), generator=g)]
     queries, query_mask = left_pad(prompts, 2)
     resp = right_pad(responses, 2)
@@ -38,13 +41,33 @@ def test_packed_logprobs_entropy_and_values_equal_padded(models):
     policy, value_model = models
     mb = {k: v.to(DEVICE) for k, v in random_batch().items()}
     mask = mb["response_mask"].bool()
-    lp_pad, ent_pad = forward_logprobs(policy, mb, 1.0, None, True, packed=False)
-    lp_pack, ent_pack = forward_logprobs(policy, mb, 1.0, None, True, packed=True)
+    lp_pad, ent_pad = forward_logprobs(policy, mb, 1.0, None, True, "padded")
+    lp_pack, ent_pack = forward_logprobs(policy, mb, 1.0, None, True, "packed")
     assert (lp_pad - lp_pack)[mask].abs().max() < TOL
     assert (ent_pad - ent_pack)[mask].abs().max() < TOL
     assert torch.all(lp_pack[~mask] == 0)
-    v_pad, v_pack = forward_values(value_model, mb, None, False), forward_values(value_model, mb, None, True)
+    v_pad, v_pack = forward_values(value_model, mb, None, "padded"), forward_values(value_model, mb, None, "packed")
     assert (v_pad - v_pack)[mask].abs().max() < TOL
+
+
+def test_shared_prompt_prefix_equals_padded_and_gradients_too(models):
+    """Running each distinct prompt once and gathering its KV cache for its responses (prompts repeated
+    3× and shuffled, as in a GRPO mini-batch) gives the padded path's logprobs and entropies (fp32,
+    |diff| < 1e-4 on CPU) and the same gradient of a loss on them, prompt positions included."""
+    policy, _ = models
+    mb = {k: v[torch.randperm(12, generator=torch.Generator().manual_seed(0))].to(DEVICE)
+          for k, v in random_batch(B=12, seed=3, n=3).items()}
+    mask = mb["response_mask"].bool()
+    grads = []
+    for layout in ("padded", "shared"):
+        policy.zero_grad()
+        logprobs, entropy = forward_logprobs(policy, mb, 0.7, None, True, layout)
+        (logprobs * mask).sum().backward()
+        grads.append((logprobs.detach(), entropy.detach(), policy.model.embed_tokens.weight.grad.clone()))
+    (lp_pad, ent_pad, g_pad), (lp_shared, ent_shared, g_shared) = grads
+    assert (lp_pad - lp_shared)[mask].abs().max() < TOL and (ent_pad - ent_shared)[mask].abs().max() < TOL
+    assert (g_pad - g_shared).abs().max() < TOL * g_pad.abs().max()
+    policy.zero_grad()
 
 
 @torch.no_grad()

@@ -107,6 +107,19 @@ def test_gae_run_trains_critic_and_first_ratio_is_one(workdir, tmp_path):
     assert (out / "final" / "model.safetensors").exists()
 
 
+def test_max_kl_guard_stops_with_a_checkpoint(workdir, tmp_path):
+    """The max_kl guard averages kl/mean over its window: step 1 (policy = reference, KL 0) passes, step 2
+    moves the average above the threshold, and the run stops there, validated, with a checkpoint and the reason."""
+    out = tmp_path / "guard"
+    proc = run_ppo(workdir, out, "trainer.max_kl=1e-6", "trainer.max_kl_window=2", "trainer.save_freq=0",
+                   "trainer.test_freq=5")
+    steps = [line for line in read_metrics(out) if line["step"] > 0]
+    assert steps[0]["kl/mean"] == 0 and steps[1]["kl/mean"] > 2e-6 and len(steps) == 2
+    assert "val/score/mean" in steps[1]  # validated because it stopped (test_freq is 5)
+    assert "stopping at step 2: kl/mean over the last 2 steps" in proc.stdout
+    assert os.path.isdir(out / "step_2")
+
+
 def test_resume_gives_the_same_metrics_as_an_uninterrupted_run(workdir, tmp_path):
     """A run stopped after step 2 and resumed from its checkpoint logs the same steps 3–4 as a run that
     never stopped: policy, critic, optimisers, schedulers, β, RNG and data position all come back."""
