@@ -203,7 +203,7 @@ def split_rows(rows: list[dict], val_fraction: float, seed: int) -> tuple[list[d
     return rows[n_val:], rows[:n_val]
 
 
-# ---- the embedded demo: one- and two-digit addition
+# ---- the embedded demo: a number from 10 to 19 plus a one-digit number
 
 
 def arithmetic_question(rng: random.Random) -> tuple[int, int]:
