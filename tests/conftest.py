@@ -3,6 +3,7 @@
 The model is a 2-layer Llama with hidden 128 and 2 heads, so head_dim is 64: the smallest
 shape vLLM's CPU attention accepts.
 """
+import json
 import os
 import sys
 
@@ -17,6 +18,12 @@ CHAT_TEMPLATE = (
 )
 CORPUS = [f"What is {a} + {b}? Reply with only the number. {a + b}" for a in range(12) for b in range(12)] + [
     "system user assistant The answer is yes no good bad hello world Human Assistant"]
+
+
+def read_metrics(out):
+    """The lines of <out>/metrics.jsonl, as dicts."""
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
 
 
 def make_tokenizer(corpus=CORPUS, vocab_size=200):

@@ -2,7 +2,6 @@
 
 Each test asserts on what the run wrote: metrics.jsonl, checkpoints, the final model.
 """
-import json
 import os
 import shutil
 import subprocess
@@ -11,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, make_tiny_model
+from conftest import REPO, make_tiny_model, read_metrics
 
 # A reward a random tiny model can earn: longer answers with more digits score higher. It uses
 # verl's signature and returns a dict, so the custom-function path and extra keys are exercised.
@@ -62,11 +61,6 @@ def run_ppo(root, out, *overrides, nproc=1, expect_ok=True):
     if expect_ok:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
-
-
-def read_metrics(out):
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 def test_grpo_lora_run_writes_metrics_checkpoints_and_adapter(workdir, tmp_path):

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import REPO, make_tiny_model, make_tokenizer
+from conftest import REPO, make_tiny_model, make_tokenizer, read_metrics
 
 import data
 from reward_model import RewardModel, RewardModelScorer, bradley_terry_loss, last_token_index, load_pairs, render
@@ -47,11 +47,6 @@ def run_rm(root, out, *overrides, expect_ok=True):
     if expect_ok:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
-
-
-def read_metrics(out):
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 def test_loss_hand_computed():
