@@ -47,7 +47,7 @@ from rewards import Scorer
 from rollout import HFRollout, left_pad, make_rollout
 from utils import (autocast, autocast_dtype, console_line, exact_div, load_policy, load_reference, load_tokenizer,
                    make_optimizer, MetricsLogger, plot_curves, reduce_metrics, resume_or_start, sample_table,
-                   save_checkpoint, save_pretrained_atomic, timed)
+                   save_checkpoint, save_pretrained_atomic, timed, use_varlen_attention)
 
 LOGITS_CHUNK = 1024  # positions whose fp32 log-softmax is computed at once (see chunked_logprobs_entropy)
 
@@ -174,8 +174,9 @@ def model_inputs(mb: dict, packed: bool):
     left padding. The state before response token t ends at position Tq + t − 1, so the last Tr + 1
     outputs minus the final one predict the response: `keep = Tr + 1`, then drop the last.
     Packed (model.use_remove_padding): the real tokens of every row in one row (1, N), positions
-    restarting at 0 per sequence and no attention mask, from which transformers builds a
-    block-diagonal causal mask; `keep` is the (K,) flat positions, K = real response tokens.
+    restarting at 0 per sequence, and where each sequence starts (cu_seq_lens, as flash-attention's
+    varlen kernel takes them; utils.varlen_sdpa elsewhere); `keep` is the (K,) flat positions,
+    K = real response tokens.
     """
     query_mask, response_mask = mb["query_mask"].bool(), mb["response_mask"].bool()
     input_ids = torch.cat([mb["queries"], mb["responses"]], dim=1)
@@ -185,8 +186,12 @@ def model_inputs(mb: dict, packed: bool):
         return dict(input_ids=input_ids, attention_mask=token_mask.long(), position_ids=position_ids), None
     flat_index = token_mask.flatten().cumsum(0).view(token_mask.shape) - 1  # (B, Tq+Tr) index into the packed row
     keep = flat_index[:, query_mask.shape[1]:][response_mask] - 1  # (K,) the position before each response token
-    position_ids = torch.cat([torch.arange(n, device=input_ids.device) for n in token_mask.sum(1).tolist()])
-    return dict(input_ids=input_ids[token_mask][None], position_ids=position_ids[None], attention_mask=None), keep
+    lengths = token_mask.sum(1)  # (B,)
+    position_ids = torch.cat([torch.arange(n, device=input_ids.device) for n in lengths.tolist()])
+    cu_seq_lens = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).int()  # (B+1,) where each sequence starts
+    longest = int(lengths.max())
+    return dict(input_ids=input_ids[token_mask][None], position_ids=position_ids[None], attention_mask=None,
+                cu_seq_lens_q=cu_seq_lens, cu_seq_lens_k=cu_seq_lens, max_length_q=longest, max_length_k=longest), keep
 
 
 def micro_batch(batch: dict, inds, device):
@@ -217,25 +222,28 @@ def split_micro(inds, lengths, size: int, max_tokens: int = 0):
     return out + [torch.tensor(cur)]
 
 
-def shared_prompt_logits(model, mb):
-    """Logits that predict the response tokens, with each distinct prompt run once: (B, Tr, V).
+def shared_prompt_logits(model, mb, **prompt_kwargs):
+    """The model's outputs (logits, or values for a critic) at the positions that predict the response
+    tokens, with each distinct prompt run once: (B, Tr, ·).
 
     With n responses per prompt most of a padded forward recomputes the same prompt n times. Here the
     distinct prompts go through the model once; their KV cache is gathered to the B rows (index_select
     keeps the autograd graph, so gradients still reach weights through the prompt) and the responses
     attend to it. Equal to the padded path within fp32 rounding (tests/test_packing.py).
     """
+    from transformers import DynamicCache
+
     queries, query_mask, responses = mb["queries"], mb["query_mask"], mb["responses"]
     distinct, row_of = torch.unique(torch.cat([queries, query_mask], 1), dim=0, return_inverse=True)
     prompt_ids, prompt_mask = distinct.split(queries.shape[1], dim=1)  # (U, Tq) each
-    prompt = model(input_ids=prompt_ids, attention_mask=prompt_mask,
-                   position_ids=(prompt_mask.cumsum(1) - 1).clamp(min=0), use_cache=True, logits_to_keep=1)
-    cache = prompt.past_key_values
+    cache = DynamicCache()  # filled by the first call, read by the second (a critic does not return it)
+    prompt = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=(prompt_mask.cumsum(1) - 1).clamp(
+        min=0), past_key_values=cache, use_cache=True, **prompt_kwargs).logits[:, -1:]  # (U, 1, ·)
     cache.reorder_cache(row_of)  # (U, …) → (B, …): each row gets its prompt's keys and values
     positions = query_mask.sum(1, keepdim=True) + torch.arange(responses.shape[1], device=responses.device)
     out = model(input_ids=responses, attention_mask=torch.cat([query_mask, mb["response_mask"]], 1),
                 position_ids=positions, past_key_values=cache, use_cache=True)
-    return torch.cat([prompt.logits[row_of], out.logits[:, :-1]], dim=1)  # (B, 1 + Tr − 1, V)
+    return torch.cat([prompt[row_of], out.logits[:, :-1]], dim=1)  # (B, 1 + Tr − 1, ·)
 
 
 def forward_logprobs(model, mb, temperature: float, dtype, with_entropy: bool, layout: str = "padded"):
@@ -245,7 +253,7 @@ def forward_logprobs(model, mb, temperature: float, dtype, with_entropy: bool, l
     keep = None
     with autocast(mb["responses"].device, dtype):
         if layout == "shared":
-            logits = shared_prompt_logits(model, mb)  # (B, Tr, V)
+            logits = shared_prompt_logits(model, mb, logits_to_keep=1)  # (B, Tr, V)
         else:
             inputs, keep = model_inputs(mb, layout == "packed")
             # logits only where they predict a response token: (B, Tr, V) or (K, V), never (B, Tq+Tr, V)
@@ -261,6 +269,9 @@ def forward_logprobs(model, mb, temperature: float, dtype, with_entropy: bool, l
 
 def forward_values(critic, mb, dtype, layout: str = "padded"):
     """V(s_t) before each response token, from the same positions as the logprobs: (B, Tr)."""
+    if layout == "shared":
+        with autocast(mb["responses"].device, dtype):
+            return shared_prompt_logits(critic, mb)[..., 0].float()
     inputs, keep = model_inputs(mb, layout == "packed")
     Tr, mask = mb["responses"].shape[1], mb["response_mask"].bool()
     with autocast(inputs["input_ids"].device, dtype):
@@ -448,6 +459,11 @@ def main(cfg: config.Config):
     else:
         policy, actor_opt = accelerator.prepare(policy, actor_opt)
     scorer = Scorer(cfg.reward, device, dtype)
+    layout = batch_layout(cfg.model, accelerator.distributed_type.name)
+    if layout == "packed":  # attention per packed sequence, not over an N×N mask
+        for model in (policy, ref, critic):
+            if model is not None:
+                use_varlen_attention(accelerator.unwrap_model(model))
 
     # ---- state, resume
     state = TrainState(KLController(alg.kl_ctrl.type, alg.kl_ctrl.kl_coef, alg.kl_ctrl.target_kl,
@@ -460,7 +476,6 @@ def main(cfg: config.Config):
     rollout = make_rollout(cfg, policy, tokenizer, accelerator, dtype)
     unwrapped = accelerator.unwrap_model(policy)
     temperature = cfg.rollout.temperature or 1.0
-    layout = batch_layout(cfg.model, accelerator.distributed_type.name)
 
     def ref_logprobs_of(mb):
         if ref is not None:

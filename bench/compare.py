@@ -3,7 +3,7 @@
     .venv/bin/python bench/compare.py                          # both presets, as shipped and GC-frozen, 20 steps
     .venv/bin/python bench/compare.py --wait-quiet 40          # first wait (≤ 40 min) for load average < 0.5
     .venv/bin/python bench/compare.py --steps 3 --presets default    # a smoke run
-    .venv/bin/python bench/compare.py --packing                # also ours with --vary-lengths, packing off/on
+    .venv/bin/python bench/compare.py --packing                # also ours, --vary-lengths, layouts padded/packed/shared
 
 Goal: ours ≤ half of TRL's seconds per step with the garbage collector frozen for both, at both presets.
 Runs are interleaved (ours, TRL, ours, TRL, …) so that a change in the machine's load hits both alike;
@@ -30,7 +30,7 @@ def wait_quiet(minutes: float, threshold: float = 0.5) -> None:
 
 
 def run(cmd: list[str]) -> dict:
-    """Run one bench script; its last line `NAME key=value …` as a dict (every line, with --packing both)."""
+    """Run one bench script; its last line `NAME key=value …` as a dict (one per layout)."""
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"compare.py: {' '.join(cmd[1:])} failed:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
@@ -58,7 +58,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--wait-quiet", type=float, default=0, help="minutes to wait for load average < 0.5")
     parser.add_argument("--threads", type=int, default=0, help="torch threads per run (0: torch's default)")
-    parser.add_argument("--packing", action="store_true", help="also ours with --vary-lengths --packing both")
+    parser.add_argument("--packing", action="store_true",
+                        help="also ours with --vary-lengths, layouts padded, packed and shared")
     args = parser.parse_args()
     if args.wait_quiet:
         wait_quiet(args.wait_quiet)
@@ -77,7 +78,8 @@ def main() -> None:
         if args.packing:
             extra += [(preset, r) for r in run(OURS + ["--preset", preset, "--steps", str(args.steps),
                                                        "--threads", str(args.threads),
-                                                       "--gc-freeze", "--vary-lengths", "--packing", "both"])]
+                                                       "--gc-freeze", "--vary-lengths", "--layout", "padded", "packed",
+                                                       "shared"])]
     load_after = os.getloadavg()
 
     print(f"\nload average before {load_before[0]:.2f}/{load_before[1]:.2f}, "
@@ -93,8 +95,14 @@ def main() -> None:
               f"{ratio:8.2f} {float(o['tokens_per_s']):10.0f} {float(t['tokens_per_s']):9.0f} "
               f"{o['peak_rss_mb']:>11} {t['peak_rss_mb']:>10}")
     for preset, r in extra:
-        print(f"{preset:8} ours vary_lengths packing={r['packing']:3}: {float(r['seconds_per_step']):.3f} s/step, "
-              f"{float(r['tokens_per_s']):.0f} tok/s, {r['peak_rss_mb']} MB")
+        print(f"{preset:8} ours vary_lengths layout={r['layout']:6}: {float(r['seconds_per_step']):.3f} s/step, "
+              f"{float(r['tokens_per_s']):.0f} tok/s, training phases {float(r['train_tokens_per_s']):.0f} tok/s, "
+              f"{r['peak_rss_mb']} MB")
+    for preset in {p for p, _ in extra}:
+        by = {r["layout"]: float(r["train_tokens_per_s"]) for p, r in extra if p == preset}
+        gain = by["packed"] / by["padded"] - 1
+        print(f"goal packed ≥ 1.2 × padded training tokens/s, {preset}: {'MET' if gain >= 0.2 else 'NOT MET'} "
+              f"({gain:+.0%}; shared {by['shared'] / by['padded'] - 1:+.0%})")
     print("\nmean seconds per step by phase:")
     for preset, gc, o, t in rows:
         for name, r in (("ours", o), ("TRL", t)):

@@ -4,7 +4,7 @@
 #      critic and KL in the reward, a sharded checkpoint and a resume from it, then GRPO with LoRA;
 #   2. the packing parity test on CUDA (tests/test_packing.py, where it exists);
 #   3. bench/ppo_bench.py at a Qwen2-0.5B-like size built from config (random weights), bf16,
-#      padded and packed (--vary-lengths --packing both).
+#      padded and packed (--vary-lengths --layout padded packed).
 # Figures and pass/fail per stage go to $OUT/gpu_check.txt when $OUT is set, else bench/gpu_check.txt.
 #
 #   make install && bash bench/gpu_check.sh          # on a GPU machine, from the repository root
@@ -106,7 +106,7 @@ BENCH=("$PY" bench/ppo_bench.py --hidden 896 --layers 24 --heads 14 --kv-heads 2
 stage "ppo_bench 0.5B-like, fixed length 128, 32 seqs/step" 200 "$WORK/bench_fixed.log" "${BENCH[@]}"
 grep -E "^(phases|PPO )" "$WORK/bench_fixed.log" | sed 's/^/  /' | tee -a "$REPORT"
 stage "ppo_bench 0.5B-like, lengths U[8,128], padded vs packed" 200 "$WORK/bench_packing.log" \
-  "${BENCH[@]}" --vary-lengths --packing both
+  "${BENCH[@]}" --vary-lengths --layout padded packed
 grep -E "^(phases|PPO )" "$WORK/bench_packing.log" | sed 's/^/  /' | tee -a "$REPORT"
 
 say "total $SECONDS s; $([ $FAILED -eq 0 ] && echo 'all stages passed' || echo 'SOME STAGES FAILED')"

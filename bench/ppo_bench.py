@@ -3,13 +3,17 @@
     .venv/bin/python bench/ppo_bench.py                          # default: hidden 128, 2 layers, Tr 32, 16 seqs/step
     .venv/bin/python bench/ppo_bench.py --preset large           # hidden 256, 4 layers, Tr 64, 32 seqs/step
     .venv/bin/python bench/ppo_bench.py --gc-freeze              # gc.freeze(); gc.disable() before ppo.main
-    .venv/bin/python bench/ppo_bench.py --vary-lengths --packing both   # lengths ~ U[8, Tr]; padded vs packed
+    .venv/bin/python bench/ppo_bench.py --vary-lengths --layout padded packed shared  # lengths ~ U[8, Tr]
     .venv/bin/python bench/ppo_bench.py --hidden 896 --layers 24 --heads 14 --kv-heads 2 --vocab 32000 \
         --intermediate 4864 --dtype bf16                          # a Qwen2-0.5B-like shape (GPU)
     .venv/bin/python bench/compare.py                            # ours vs TRL, both presets, a table
 
-Prints, as its last line (one line per run with --packing both):
-    PPO steps=N seconds_per_step=X peak_rss_mb=Y tokens_per_s=Z packing=off vary_lengths=0 gc=shipped
+Prints, as its last line (one line per layout):
+    PPO steps=N seconds_per_step=X peak_rss_mb=Y tokens_per_s=Z train_tokens_per_s=W layout=shared vary_lengths=0 …
+
+--layout is how training forwards lay out a micro-batch: shared (the default: each distinct prompt run once,
+model.share_prompt_prefix), padded (share_prompt_prefix=false: every row padded to the longest) or packed
+(model.use_remove_padding: real tokens only, attention per sequence by utils.varlen_sdpa).
 
 The workload: GAE with a critic, β·KL in the reward (k1, fixed β), no KL loss, full fine-tune, fp32 by
 default, HF generate with `rollout.ignore_eos=true` so every response is exactly Tr tokens; 2 mini-batches
@@ -22,7 +26,9 @@ spinning against other processes made steps 20× slower here.
 What is timed: ppo.py writes `time/step_s` (sample prompts → sync weights, before validation and
 checkpoints) for every step to metrics.jsonl; seconds_per_step is their mean over steps 2..N (step 1 is
 warm-up); tokens_per_s = prompt + response tokens of those steps / their seconds. Model loading, the
-final checkpoint and the saved model are outside it. peak_rss_mb is the peak resident memory of the
+final checkpoint and the saved model are outside it. train_tokens_per_s counts the same tokens over the
+training phases only (old/ref logprobs, values, actor and critic updates: step time less generation, scoring
+and weight sync), the part the layout changes. peak_rss_mb is the peak resident memory of the
 child process that runs ppo.main (os.wait4's ru_maxrss), which includes loading.
 
 ppo.py runs in a child process, `ppo.main(cfg)` called in-process there, so that this script can freeze the
@@ -104,14 +110,16 @@ def reward_overrides(choice: str, root: str) -> list[str]:
     return ["reward.type=rule", f"reward.function={root}/reward.py:compute_score"]
 
 
-def run_ours(args, size: dict, root: str, packing: bool) -> str:
+LAYOUTS = {"shared": [], "padded": ["model.share_prompt_prefix=false"], "packed": ["model.use_remove_padding=true"]}
+
+
+def run_ours(args, size: dict, root: str, layout: str) -> str:
     prompts = size["sequences"] // SAMPLES_PER_PROMPT
-    tag = f"ours_Tr{size['response_length']}_S{size['sequences']}_p{int(packing)}_v{int(args.vary_lengths)}"
+    tag = f"ours_Tr{size['response_length']}_S{size['sequences']}_{layout}_v{int(args.vary_lengths)}"
     out = os.path.join(root, "runs", tag)
     shutil.rmtree(out, ignore_errors=True)
     overrides = [
         f"model.path={root}/model", f"model.dtype={args.dtype}", "model.lora_rank=0",
-        f"model.use_remove_padding={str(packing).lower()}",
         f"data.train_files={root}/train.parquet", "data.val_files=null", f"data.train_batch_size={prompts}",
         f"rollout.name={args.rollout}", f"rollout.n={SAMPLES_PER_PROMPT}", "rollout.ignore_eos=true",
         f"rollout.max_response_length={size['response_length']}", "rollout.temperature=1.0",
@@ -122,7 +130,7 @@ def run_ours(args, size: dict, root: str, packing: bool) -> str:
         f"trainer.total_steps={args.steps}", f"trainer.output_dir={out}", "trainer.resume=off",
         "trainer.val_before_train=false", "trainer.test_freq=0", "trainer.save_freq=0", "trainer.sample_freq=0",
         "trainer.max_kl=0", "trainer.plot_curves=false", f"trainer.seed={args.seed}",
-        *reward_overrides(args.reward, root), *args.override]
+        *LAYOUTS[layout], *reward_overrides(args.reward, root), *args.override]
     spec = dict(overrides=overrides, gc_freeze=args.gc_freeze, vary_lengths=args.vary_lengths,
                 profile=args.profile and os.path.join(out, "profile.txt"))
     os.makedirs(out, exist_ok=True)
@@ -134,12 +142,15 @@ def run_ours(args, size: dict, root: str, packing: bool) -> str:
         sys.exit("ppo_bench.py: --steps must be at least 2 (step 1 is warm-up and not timed)")
     seconds = [m["time/step_s"] for m in steps]
     tokens = [m["perf/tokens_per_s"] * m["time/step_s"] for m in steps]
+    train_seconds = sum(m["time/step_s"] - m.get("time/gen_s", 0) - m.get("time/reward_s", 0) - m.get("time/sync_s", 0)
+                        for m in steps)
     phases = sorted({k for m in steps for k in m if k.startswith("time/") and k != "time/step_s"})
     print("phases (mean s/step): " + "  ".join(
         f"{k[5:-2]} {sum(m.get(k, 0.0) for m in steps) / len(steps):.4f}" for k in phases), flush=True)
     if args.profile:
         print(f"profile (top 40 by own time, loading included): {spec['profile']}")
-    return result_line("PPO", args.steps, seconds, tokens, rss, packing="on" if packing else "off",
+    return result_line("PPO", args.steps, seconds, tokens, rss, train_tokens_per_s=f"{sum(tokens) / train_seconds:.1f}",
+                       layout=layout,
                        vary_lengths=int(args.vary_lengths), gc="frozen" if args.gc_freeze else "shipped",
                        threads=args.threads or "default")
 
@@ -151,8 +162,8 @@ def main() -> None:
     common_args(parser)
     parser.add_argument("--vary-lengths", action="store_true",
                         help=f"cut each response to a uniform random length in [{MIN_VARIED_LENGTH}, Tr]")
-    parser.add_argument("--packing", choices=["off", "on", "both"], default="off",
-                        help="model.use_remove_padding; both = one run each")
+    parser.add_argument("--layout", nargs="+", choices=sorted(LAYOUTS), default=["shared"],
+                        help="training-forward layout(s), one run each: shared (default), padded, packed")
     parser.add_argument("--reward", choices=["auto", "model", "rule"], default="auto",
                         help="auto: the random reward model where reward_model.py serves one, else a rule")
     parser.add_argument("--rollout", choices=["hf", "vllm"], default="hf")
@@ -165,8 +176,8 @@ def main() -> None:
         sys.exit(f"ppo_bench.py: --sequences must be a multiple of {2 * SAMPLES_PER_PROMPT} (2 mini-batches of "
                  f"{SAMPLES_PER_PROMPT} samples per prompt)")
     root = build_workload(workdir_of(args, size), size)
-    for packing in {"off": [False], "on": [True], "both": [False, True]}[args.packing]:
-        print(run_ours(args, size, root, packing), flush=True)
+    for layout in args.layout:
+        print(run_ours(args, size, root, layout), flush=True)
 
 
 if __name__ == "__main__":
