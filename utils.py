@@ -70,47 +70,6 @@ def load_policy(cfg_model):
     return model
 
 
-def varlen_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, cu_seq_lens_q=None,
-                max_length_q=None, **kwargs):
-    """Attention over packed sequences at the cost of each sequence alone, for any device.
-
-    query (1, H, N, D), key and value (1, Hkv, N, D): S sequences laid end to end, sequence s at
-    cu_seq_lens_q[s]:cu_seq_lens_q[s+1] (the arguments flash-attention's varlen kernel takes). They are
-    scattered into (S, H, T, D), T = max_length_q, right-padded with zeros, where causal SDPA lets each
-    real token see exactly its own sequence's past; then gathered back. Transformers' SDPA path would
-    instead build an N×N block-diagonal mask and spend N² attention on it (S² times too much).
-    Without cu_seq_lens_q (generation, padded forwards) this is transformers' SDPA unchanged.
-    """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    if cu_seq_lens_q is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
-    lengths = cu_seq_lens_q.diff()  # (S,)
-    seq = torch.repeat_interleave(torch.arange(len(lengths), device=query.device), lengths)  # (N,)
-    pos = torch.arange(query.shape[2], device=query.device) - cu_seq_lens_q[seq]  # (N,) offset in its sequence
-
-    def unpack(x):  # (1, H, N, D) → (S, H, T, D)
-        out = x.new_zeros(len(lengths), x.shape[1], max_length_q, x.shape[3])
-        out[seq, :, pos] = x[0].transpose(0, 1)
-        return out
-
-    out = torch.nn.functional.scaled_dot_product_attention(
-        unpack(query), unpack(key), unpack(value), dropout_p=dropout, is_causal=True, scale=scaling,
-        enable_gqa=key.shape[1] != query.shape[1])  # (S, H, T, D)
-    return out[seq, :, pos][None], None  # (1, N, H, D), as transformers' attention functions return
-
-
-def use_varlen_attention(model) -> None:
-    """Switch `model` (a transformers model, or a PEFT / accelerate wrapper of one) to `varlen_sdpa`."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register("varlen_sdpa", varlen_sdpa)
-    AttentionMaskInterface.register("varlen_sdpa", sdpa_mask)  # padded forwards keep SDPA's masks
-    model.set_attn_implementation("varlen_sdpa")
-
-
 def load_reference(path: str, accelerator):
     """The frozen reference policy: sharded like the actor under FSDP, else one replica per device
     (not DDP-wrapped: it has no gradients to average)."""

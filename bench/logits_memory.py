@@ -1,5 +1,5 @@
-"""Peak memory of one training forward+backward through ppo.forward_logprobs, with and without
-chunked log-softmax/entropy (ppo.LOGITS_CHUNK). Each setting runs in a fresh subprocess.
+"""Peak memory of one training forward+backward through batches.forward_logprobs, with and without
+chunked log-softmax/entropy (batches.LOGITS_CHUNK). Each setting runs in a fresh subprocess.
 
     python bench/logits_memory.py [--model models/SmolLM2-135M-Instruct] [--batch 16] [--response 64]
 """
@@ -15,18 +15,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def one_run(model_path, batch, prompt, response, chunk):
     import torch
     sys.path.insert(0, ROOT)
-    import ppo
+    import batches
     from transformers import AutoModelForCausalLM
 
-    ppo.LOGITS_CHUNK = chunk
+    batches.LOGITS_CHUNK = chunk
     if chunk == 0:  # the plain path: whole tensors, no recomputation
-        ppo.chunked_logprobs_entropy = lambda z, t, temp, with_entropy, chunk: ppo._logprobs_entropy(z, t, temp, with_entropy)
+        batches.chunked_logprobs_entropy = lambda z, t, temp, with_entropy, chunk: batches._logprobs_entropy(z, t, temp, with_entropy)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     V = model.config.vocab_size
     mb = dict(queries=torch.randint(3, V, (batch, prompt)), query_mask=torch.ones(batch, prompt, dtype=torch.long),
               responses=torch.randint(3, V, (batch, response)), response_mask=torch.ones(batch, response, dtype=torch.long))
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    logprobs, entropy = ppo.forward_logprobs(model, mb, 1.0, torch.bfloat16, True)
+    logprobs, entropy = batches.forward_logprobs(model, mb, 1.0, torch.bfloat16, True)
     (logprobs.mean() + entropy.mean()).backward()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print(f"{(peak - base) / 1024:.0f}")

@@ -1,4 +1,4 @@
-"""The formulas of ppo.py, critic.py and kl.py: hand-computed cases, plain loops, and masking."""
+"""The formulas of ppo.py, batches.py, critic.py and kl.py: hand-computed cases, plain loops, and masking."""
 import math
 
 import pytest
@@ -6,8 +6,8 @@ import torch
 
 from critic import explained_variance, gae, value_loss
 from kl import KLController, kl_estimate, kl_penalty_rewards
-from ppo import (agg_loss, chunked_logprobs_entropy, entropy_from_logits, grpo_advantages, logprobs_from_logits, masked_whiten, policy_loss,
-                 rloo_advantages, split_micro)
+from batches import chunked_logprobs_entropy, entropy_from_logits, logprobs_from_logits, split_micro
+from ppo import agg_loss, grpo_advantages, masked_whiten, policy_loss, rloo_advantages
 
 
 def random_mask(B, T, seed=0):

@@ -4,10 +4,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+import batches
 import critic as critic_mod
-import utils
 from conftest import make_tiny_model
-from ppo import forward_logprobs, forward_values, micro_batch, per_token_pass
+from batches import forward_logprobs, forward_values, micro_batch, per_token_pass
 from rollout import left_pad, right_pad
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -52,10 +52,10 @@ def test_packed_logprobs_entropy_and_values_equal_padded(models):
 
 
 def test_varlen_attention_gives_padded_logprobs_and_gradients(tmp_path, monkeypatch):
-    """With utils.varlen_sdpa (what ppo.py sets under packing) each packed sequence attends only to itself at
+    """With batches.varlen_sdpa (what ppo.py sets under packing) each packed sequence attends only to itself at
     the cost of its own length: logprobs, entropies and the gradient of a loss on them equal the padded
     path's (fp32, |diff| < 1e-4 on CPU); its packed branch really ran; padded forwards are unchanged."""
-    calls, varlen_sdpa = [], utils.varlen_sdpa
+    calls, varlen_sdpa = [], batches.varlen_sdpa
 
     def counted(*args, cu_seq_lens_q=None, **kwargs):
         calls.append(cu_seq_lens_q is not None)
@@ -67,8 +67,8 @@ def test_varlen_attention_gives_padded_logprobs_and_gradients(tmp_path, monkeypa
     results = []
     for layout in ("padded", "packed", "padded"):
         if len(results) == 1:
-            monkeypatch.setattr(utils, "varlen_sdpa", counted)
-            utils.use_varlen_attention(policy)
+            monkeypatch.setattr(batches, "varlen_sdpa", counted)
+            batches.use_varlen_attention(policy)
         policy.zero_grad()
         logprobs, entropy = forward_logprobs(policy, mb, 0.8, None, True, layout)
         (logprobs * mask).sum().backward()
