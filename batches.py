@@ -5,12 +5,14 @@ within fp32 rounding (tests/test_packing.py):
     padded   left-padded queries + right-padded responses, (B, Tq+Tr)
     shared   each distinct prompt run once, its KV cache gathered to its n responses
              (model.share_prompt_prefix, the default)
-    packed   the real tokens of every row in one row (1, N), attention per sequence
-             (model.use_remove_padding; attention per sequence through `varlen_sdpa`)
+    packed   the real tokens in one row (1, N): every response, and its prompt only once,
+             and each distinct prompt once (model.use_remove_padding; attention through `varlen_sdpa`)
 and the fp32 log-softmax / entropy over a long vocabulary, `LOGITS_CHUNK` positions at a time.
 
 Shapes: B sequences, Tq prompt length, Tr response length, V vocab, N packed tokens.
 """
+import functools
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -59,35 +61,29 @@ def chunked_logprobs_entropy(logits, tokens, temperature: float, with_entropy: b
 # ---------------------------------------------------------------------------------------
 # Attention over packed sequences
 
-def varlen_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, cu_seq_lens_q=None,
-                max_length_q=None, **kwargs):
-    """Attention over packed sequences at the cost of each sequence alone, for any device.
+def varlen_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, packed_attention=None,
+                **kwargs):
+    """Attention over a packed row (`packed_inputs`), each group of tokens seeing only what it should.
 
-    query (1, H, N, D), key and value (1, Hkv, N, D): S sequences laid end to end, sequence s at
-    cu_seq_lens_q[s]:cu_seq_lens_q[s+1] (the arguments flash-attention's varlen kernel takes). They are
-    scattered into (S, H, T, D), T = max_length_q, right-padded with zeros, where causal SDPA lets each
-    real token see exactly its own sequence's past; then gathered back. Transformers' SDPA path would
-    instead build an N×N block-diagonal mask and spend N² attention on it (S² times too much).
-    Without cu_seq_lens_q (generation, padded forwards) this is transformers' SDPA unchanged.
+    query (1, H, N, D), key and value (1, Hkv, N, D). The row's tokens fall into G groups (a prompt, or a
+    response with its prompt in front); packed_attention holds for each group the row positions of its
+    queries (q_index, (G, Wq)) and keys (k_index, (G, Wk)) and the causal mask between them ((G, Wq, Wk)).
+    Gathered into (G, H, W, D), one masked SDPA call does them all; q_valid then picks every real token's
+    output back in row order. Transformers' SDPA path would instead build an N×N mask over the whole row.
+    Without packed_attention (generation, padded forwards) this is transformers' SDPA unchanged.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if cu_seq_lens_q is None:
+    if packed_attention is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    lengths = cu_seq_lens_q.diff()  # (S,)
-    seq = torch.repeat_interleave(torch.arange(len(lengths), device=query.device), lengths)  # (N,)
-    pos = torch.arange(query.shape[2], device=query.device) - cu_seq_lens_q[seq]  # (N,) offset in its sequence
-
-    def unpack(x):  # (1, H, N, D) → (S, H, T, D)
-        out = x.new_zeros(len(lengths), x.shape[1], max_length_q, x.shape[3])
-        out[seq, :, pos] = x[0].transpose(0, 1)
-        return out
-
+    p = packed_attention
+    q, k, v = (x[0][:, index].transpose(0, 1) for x, index in  # (1, H, N, D) → (G, H, W, D)
+               ((query, p["q_index"]), (key, p["k_index"]), (value, p["k_index"])))
     out = torch.nn.functional.scaled_dot_product_attention(
-        unpack(query), unpack(key), unpack(value), dropout_p=dropout, is_causal=True, scale=scaling,
-        enable_gqa=key.shape[1] != query.shape[1])  # (S, H, T, D)
-    return out[seq, :, pos][None], None  # (1, N, H, D), as transformers' attention functions return
+        q, k, v, attn_mask=p["mask"][:, None], dropout_p=dropout, scale=scaling,
+        enable_gqa=key.shape[1] != query.shape[1])  # (G, H, Wq, D)
+    return out.transpose(1, 2)[p["q_valid"]][None], None  # (1, N, H, D), as transformers' attention functions return
 
 
 def varlen_mask(attention_mask=None, batch_size=1, q_length=1, kv_length=1, **kwargs):
@@ -124,31 +120,59 @@ def batch_layout(cfg_model, distributed_type: str) -> str:
     return "padded"
 
 
-def model_inputs(mb: dict, packed: bool):
-    """The forward's inputs, and where in its output the predictions of the response tokens are.
+def model_inputs(mb: dict):
+    """The padded forward's inputs: left-padded queries + right-padded responses, (B, Tq+Tr).
 
-    Padded: left-padded queries + right-padded responses, (B, Tq+Tr); positions restart after the
-    left padding. The state before response token t ends at position Tq + t − 1, so the last Tr + 1
-    outputs minus the final one predict the response: `keep = Tr + 1`, then drop the last.
-    Packed (model.use_remove_padding): the real tokens of every row in one row (1, N), positions
-    restarting at 0 per sequence, and where each sequence starts (cu_seq_lens, as flash-attention's
-    varlen kernel takes them; varlen_sdpa elsewhere); `keep` is the (K,) flat positions,
-    K = real response tokens.
+    Positions restart after the left padding. The state before response token t ends at position
+    Tq + t − 1, so the last Tr + 1 outputs minus the final one predict the response.
     """
-    query_mask, response_mask = mb["query_mask"].bool(), mb["response_mask"].bool()
-    input_ids = torch.cat([mb["queries"], mb["responses"]], dim=1)
-    token_mask = torch.cat([query_mask, response_mask], dim=1)  # (B, Tq+Tr)
-    if not packed:
-        position_ids = (token_mask.long().cumsum(1) - 1).clamp(min=0)
-        return dict(input_ids=input_ids, attention_mask=token_mask.long(), position_ids=position_ids), None
-    flat_index = token_mask.flatten().cumsum(0).view(token_mask.shape) - 1  # (B, Tq+Tr) index into the packed row
-    keep = flat_index[:, query_mask.shape[1]:][response_mask] - 1  # (K,) the position before each response token
-    lengths = token_mask.sum(1)  # (B,)
-    position_ids = torch.cat([torch.arange(n, device=input_ids.device) for n in lengths.tolist()])
-    cu_seq_lens = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).int()  # (B+1,) where each sequence starts
-    longest = int(lengths.max())
-    return dict(input_ids=input_ids[token_mask][None], position_ids=position_ids[None], attention_mask=None,
-                cu_seq_lens_q=cu_seq_lens, cu_seq_lens_k=cu_seq_lens, max_length_q=longest, max_length_k=longest), keep
+    token_mask = torch.cat([mb["query_mask"], mb["response_mask"]], dim=1)  # (B, Tq+Tr)
+    position_ids = (token_mask.cumsum(1) - 1).clamp(min=0)
+    return dict(input_ids=torch.cat([mb["queries"], mb["responses"]], dim=1), attention_mask=token_mask,
+                position_ids=position_ids)
+
+
+def packed_inputs(mb: dict):
+    """Every distinct prompt once and every response once, real tokens only, in one row (1, N).
+
+    Row: [prompt 0]…[prompt U−1][response 0]…[response B−1]. Positions restart at 0 in each prompt and go
+    on from its end in each of its responses. Attention (varlen_sdpa) runs over G = U + B groups: a
+    prompt's tokens see that prompt, a response's tokens see their prompt and, causally, themselves.
+    Returns the forward's inputs and `keep` (K,), the row positions whose outputs predict the K real
+    response tokens: the prompt's last token for the first, then the response's own tokens.
+    """
+    response_mask = mb["response_mask"].bool()
+    distinct, row_of = torch.unique(torch.cat([mb["queries"], mb["query_mask"]], 1), dim=0, return_inverse=True)
+    prompt_ids, prompt_mask = distinct.split(mb["queries"].shape[1], dim=1)  # (U, Tq) each, left-padded
+    prompt_mask = prompt_mask.bool()
+    Lq, Lr = prompt_mask.sum(1), response_mask.sum(1)  # (U,), (B,) real lengths
+    prompt_start = torch.cumsum(Lq, 0) - Lq  # (U,) where each prompt begins in the row
+    response_start = Lq.sum() + torch.cumsum(Lr, 0) - Lr  # (B,)
+    Lq_b, start_q_b = Lq[row_of], prompt_start[row_of]  # (B,) each response's prompt
+    arange = functools.partial(torch.arange, device=Lq.device)
+    Tr = response_mask.shape[1]
+    position_ids = torch.cat([(prompt_mask.cumsum(1) - 1)[prompt_mask], (Lq_b[:, None] + arange(Tr))[response_mask]])
+
+    # groups: U prompts, then B responses; query slot i of group g sits at key slot offset[g] + i
+    Wq, Wk = int(max(Lq.max(), Lr.max())), int(max(Lq.max(), (Lq_b + Lr).max()))
+    q_len, offset = torch.cat([Lq, Lr]), torch.cat([torch.zeros_like(Lq), Lq_b])  # (G,) each
+    q_start = torch.cat([prompt_start, response_start])  # (G,)
+    q_valid = arange(Wq) < q_len[:, None]  # (G, Wq)
+    q_index = torch.where(q_valid, q_start[:, None] + arange(Wq), 0)  # (G, Wq)
+    j = arange(Wk)[None, :]  # key slot: in the prompt before offset[g], in the group's own tokens after
+    k_len = offset + q_len  # (G,)
+    k_index = torch.where(j < offset[:, None], torch.cat([prompt_start, start_q_b])[:, None] + j,
+                          q_start[:, None] + j - offset[:, None])
+    k_index = torch.where(j < k_len[:, None], k_index, 0)  # (G, Wk)
+    causal = j[None] <= (offset[:, None] + arange(Wq))[:, :, None]  # (G, Wq, Wk)
+    mask = causal & (j < k_len[:, None])[:, None, :]  # padding query rows still see key 0: no empty softmax
+
+    before = response_start[:, None] + arange(Tr) - 1  # (B, Tr): response token t − 1 …
+    before[:, 0] = start_q_b + Lq_b - 1  # … and for t = 0 the prompt's last token
+    inputs = dict(input_ids=torch.cat([prompt_ids[prompt_mask], mb["responses"][response_mask]])[None],
+                  position_ids=position_ids[None], attention_mask=None,
+                  packed_attention=dict(q_index=q_index, k_index=k_index, mask=mask, q_valid=q_valid))
+    return inputs, before[response_mask]
 
 
 def micro_batch(batch: dict, inds, device):
@@ -212,7 +236,7 @@ def forward_logprobs(model, mb, temperature: float, dtype, with_entropy: bool, l
         if layout == "shared":
             logits = shared_prompt_logits(model, mb, logits_to_keep=1)  # (B, Tr, V)
         else:
-            inputs, keep = model_inputs(mb, layout == "packed")
+            inputs, keep = packed_inputs(mb) if layout == "packed" else (model_inputs(mb), None)
             # logits only where they predict a response token: (B, Tr, V) or (K, V), never (B, Tq+Tr, V)
             logits = model(**inputs, logits_to_keep=Tr + 1 if keep is None else keep, use_cache=False).logits
             logits = logits[:, :-1] if keep is None else logits[0]  # (B, Tr, V) or (K, V)
@@ -229,7 +253,7 @@ def forward_values(critic, mb, dtype, layout: str = "padded"):
     if layout == "shared":
         with autocast(mb["responses"].device, dtype):
             return shared_prompt_logits(critic, mb)[..., 0].float()
-    inputs, keep = model_inputs(mb, layout == "packed")
+    inputs, keep = packed_inputs(mb) if layout == "packed" else (model_inputs(mb), None)
     Tr, mask = mb["responses"].shape[1], mb["response_mask"].bool()
     with autocast(inputs["input_ids"].device, dtype):
         values = critic(**inputs, use_cache=False).logits[..., 0].float()  # (B, Tq+Tr) or (1, N)

@@ -40,7 +40,7 @@ class ModelConfig:
     lora_top_layers: int = 8
     """LoRA only in the last N decoder layers (0 = all); the backward pass then stops below them"""
     use_remove_padding: bool = False
-    """pack sequences without padding in training forwards"""
+    """pack training forwards into one row without padding, each distinct prompt once (batches.packed_inputs)"""
     share_prompt_prefix: bool = True
     """run each distinct prompt of a micro-batch once and let its n responses attend to its KV cache
     (policy and reference forwards; not with packing, gradient checkpointing or FSDP)"""

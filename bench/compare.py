@@ -58,6 +58,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--wait-quiet", type=float, default=0, help="minutes to wait for load average < 0.5")
     parser.add_argument("--threads", type=int, default=0, help="torch threads per run (0: torch's default)")
+    parser.add_argument("--layout", default="shared", choices=["shared", "padded", "packed"],
+                        help="ours' training-forward layout in the TRL comparison (bench/ppo_bench.py --layout)")
     parser.add_argument("--packing", action="store_true",
                         help="also ours with --vary-lengths, layouts padded, packed and shared")
     args = parser.parse_args()
@@ -70,7 +72,7 @@ def main() -> None:
             common = ["--preset", preset, "--steps", str(args.steps), "--threads", str(args.threads), *gc]
             ours, trl = [], []
             for _ in range(args.repeats):
-                ours.append(run(OURS + common))
+                ours.append(run(OURS + common + ["--layout", args.layout]))
                 trl.append(run(TRL + common))
             rows.append((preset, "frozen" if gc else "shipped", median_of(ours)[0], median_of(trl)[0]))
             print(f"done: {preset} gc={rows[-1][1]}: ours {[r[0]['seconds_per_step'] for r in ours]} s/step, "

@@ -13,7 +13,7 @@ Prints, as its last line (one line per layout):
 
 --layout is how training forwards lay out a micro-batch: shared (the default: each distinct prompt run once,
 model.share_prompt_prefix), padded (share_prompt_prefix=false: every row padded to the longest) or packed
-(model.use_remove_padding: real tokens only, attention per sequence by batches.varlen_sdpa).
+(model.use_remove_padding: real tokens only, each distinct prompt once, attention by batches.varlen_sdpa).
 
 The workload: GAE with a critic, β·KL in the reward (k1, fixed β), no KL loss, full fine-tune, fp32 by
 default, HF generate with `rollout.ignore_eos=true` so every response is exactly Tr tokens; 2 mini-batches

@@ -29,18 +29,29 @@ def random_batch(B=6, vocab=200, seed=0, n=1):
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
+    """Policy and critic with batches.varlen_sdpa, as ppo.py sets it under packing (padded forwards unchanged)."""
     path = make_tiny_model(tmp_path_factory.mktemp("packing"))
     policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(DEVICE).eval()
     value_model = critic_mod.load_critic(path).to(DEVICE).eval()
+    for model in (policy, value_model):
+        batches.use_varlen_attention(model)
     return policy, value_model
 
 
+def shuffled_batch(B, seed, n):
+    """random_batch with each prompt n times, rows shuffled as a GRPO mini-batch draws them."""
+    order = torch.randperm(B, generator=torch.Generator().manual_seed(seed))
+    return {k: v[order].to(DEVICE) for k, v in random_batch(B=B, seed=seed, n=n).items()}
+
+
+@pytest.mark.parametrize("n", [1, 3])
 @torch.no_grad()
-def test_packed_logprobs_entropy_and_values_equal_padded(models):
-    """Packing every sequence into one row, positions restarting per sequence, gives the padded path's
-    logprobs, entropies and values at every real response token (fp32, |diff| < 1e-4 on CPU), and 0 at padding."""
+def test_packed_logprobs_entropy_and_values_equal_padded(models, n):
+    """Every distinct prompt once and every response once in one row (prompts alone with n = 1, shared by 3
+    responses with n = 3) gives the padded path's logprobs, entropies and values at every real response
+    token (fp32, |diff| < 1e-4 on CPU), and 0 at padding."""
     policy, value_model = models
-    mb = {k: v.to(DEVICE) for k, v in random_batch().items()}
+    mb = shuffled_batch(12, seed=n, n=n)
     mask = mb["response_mask"].bool()
     lp_pad, ent_pad = forward_logprobs(policy, mb, 1.0, None, True, "padded")
     lp_pack, ent_pack = forward_logprobs(policy, mb, 1.0, None, True, "packed")
@@ -51,18 +62,18 @@ def test_packed_logprobs_entropy_and_values_equal_padded(models):
     assert (v_pad - v_pack)[mask].abs().max() < TOL
 
 
-def test_varlen_attention_gives_padded_logprobs_and_gradients(tmp_path, monkeypatch):
-    """With batches.varlen_sdpa (what ppo.py sets under packing) each packed sequence attends only to itself at
-    the cost of its own length: logprobs, entropies and the gradient of a loss on them equal the padded
-    path's (fp32, |diff| < 1e-4 on CPU); its packed branch really ran; padded forwards are unchanged."""
+def test_packed_gradients_equal_padded_and_take_the_packed_attention(tmp_path, monkeypatch):
+    """Through varlen_sdpa's packed branch (it really ran, in every layer) the gradient of a loss on the
+    packed logprobs equals the padded path's (prompts shared by 3 responses, rows shuffled); a padded
+    forward under varlen_sdpa is transformers' SDPA unchanged."""
     calls, varlen_sdpa = [], batches.varlen_sdpa
 
-    def counted(*args, cu_seq_lens_q=None, **kwargs):
-        calls.append(cu_seq_lens_q is not None)
-        return varlen_sdpa(*args, cu_seq_lens_q=cu_seq_lens_q, **kwargs)
+    def counted(*args, packed_attention=None, **kwargs):
+        calls.append(packed_attention is not None)
+        return varlen_sdpa(*args, packed_attention=packed_attention, **kwargs)
 
     policy = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path), dtype=torch.float32).to(DEVICE)
-    mb = {k: v.to(DEVICE) for k, v in random_batch(B=7, seed=4).items()}
+    mb = shuffled_batch(12, seed=4, n=3)
     mask = mb["response_mask"].bool()
     results = []
     for layout in ("padded", "packed", "padded"):
@@ -74,10 +85,10 @@ def test_varlen_attention_gives_padded_logprobs_and_gradients(tmp_path, monkeypa
         (logprobs * mask).sum().backward()
         results.append((logprobs.detach(), entropy.detach(), policy.model.layers[0].self_attn.q_proj.weight.grad))
     (lp_pad, ent_pad, g_pad), (lp_pack, ent_pack, g_pack), (lp_pad2, _, _) = results
-    assert calls and all(calls[:len(policy.model.layers)]), "the packed forward did not take varlen_sdpa's packed path"
+    assert calls[:len(policy.model.layers)] == [True] * len(policy.model.layers)
     assert (lp_pad - lp_pack)[mask].abs().max() < TOL and (ent_pad - ent_pack)[mask].abs().max() < TOL
     assert (g_pad - g_pack).abs().max() < TOL * g_pad.abs().max()
-    assert (lp_pad - lp_pad2)[mask].abs().max() < TOL  # padded forwards under varlen_sdpa: transformers' SDPA
+    assert (lp_pad - lp_pad2)[mask].abs().max() < TOL
 
 
 def test_shared_prompt_prefix_equals_padded_and_gradients_too(models):
@@ -85,8 +96,7 @@ def test_shared_prompt_prefix_equals_padded_and_gradients_too(models):
     3× and shuffled, as in a GRPO mini-batch) gives the padded path's logprobs and entropies (fp32,
     |diff| < 1e-4 on CPU) and the same gradient of a loss on them, prompt positions included."""
     policy, _ = models
-    mb = {k: v[torch.randperm(12, generator=torch.Generator().manual_seed(0))].to(DEVICE)
-          for k, v in random_batch(B=12, seed=3, n=3).items()}
+    mb = shuffled_batch(12, seed=3, n=3)
     mask = mb["response_mask"].bool()
     grads = []
     for layout in ("padded", "shared"):
