@@ -42,8 +42,8 @@ class ModelConfig:
     use_remove_padding: bool = False
     """pack training forwards into one row without padding, each distinct prompt once (batches.packed_inputs)"""
     share_prompt_prefix: bool = True
-    """run each distinct prompt of a micro-batch once and let its n responses attend to its KV cache
-    (policy and reference forwards; not with packing, gradient checkpointing or FSDP)"""
+    """without packing: run each distinct prompt of a micro-batch once and let its n responses attend to
+    its KV cache (policy, reference and critic forwards; not with gradient checkpointing or FSDP)"""
 
 
 @dataclass

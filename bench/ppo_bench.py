@@ -11,9 +11,10 @@
 Prints, as its last line (one line per layout):
     PPO steps=N seconds_per_step=X peak_rss_mb=Y tokens_per_s=Z train_tokens_per_s=W layout=shared vary_lengths=0 …
 
---layout is how training forwards lay out a micro-batch: shared (the default: each distinct prompt run once,
-model.share_prompt_prefix), padded (share_prompt_prefix=false: every row padded to the longest) or packed
-(model.use_remove_padding: real tokens only, each distinct prompt once, attention by batches.varlen_sdpa).
+--layout is how training forwards lay out a micro-batch: shared (the library's default,
+model.share_prompt_prefix: each distinct prompt run once, its KV cache gathered to its responses), packed
+(model.use_remove_padding: real tokens only, each distinct prompt once, attention by batches.varlen_sdpa) or
+padded (both off: every row padded to the longest).
 
 The workload: GAE with a critic, β·KL in the reward (k1, fixed β), no KL loss, full fine-tune, fp32 by
 default, HF generate with `rollout.ignore_eos=true` so every response is exactly Tr tokens; 2 mini-batches
@@ -110,7 +111,9 @@ def reward_overrides(choice: str, root: str) -> list[str]:
     return ["reward.type=rule", f"reward.function={root}/reward.py:compute_score"]
 
 
-LAYOUTS = {"shared": [], "padded": ["model.share_prompt_prefix=false"], "packed": ["model.use_remove_padding=true"]}
+LAYOUTS = {"padded": ["model.use_remove_padding=false", "model.share_prompt_prefix=false"],
+           "shared": ["model.use_remove_padding=false", "model.share_prompt_prefix=true"],
+           "packed": ["model.use_remove_padding=true"]}
 
 
 def run_ours(args, size: dict, root: str, layout: str) -> str:
@@ -163,7 +166,7 @@ def main() -> None:
     parser.add_argument("--vary-lengths", action="store_true",
                         help=f"cut each response to a uniform random length in [{MIN_VARIED_LENGTH}, Tr]")
     parser.add_argument("--layout", nargs="+", choices=sorted(LAYOUTS), default=["shared"],
-                        help="training-forward layout(s), one run each: shared (default), padded, packed")
+                        help="training-forward layout(s), one run each: shared (default), packed, padded")
     parser.add_argument("--reward", choices=["auto", "model", "rule"], default="auto",
                         help="auto: the random reward model where reward_model.py serves one, else a rule")
     parser.add_argument("--rollout", choices=["hf", "vllm"], default="hf")

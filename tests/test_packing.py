@@ -62,10 +62,12 @@ def test_packed_logprobs_entropy_and_values_equal_padded(models, n):
     assert (v_pad - v_pack)[mask].abs().max() < TOL
 
 
-def test_packed_gradients_equal_padded_and_take_the_packed_attention(tmp_path, monkeypatch):
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_packed_gradients_equal_padded_and_take_the_packed_attention(tmp_path, monkeypatch, checkpointing):
     """Through varlen_sdpa's packed branch (it really ran, in every layer) the gradient of a loss on the
-    packed logprobs equals the padded path's (prompts shared by 3 responses, rows shuffled); a padded
-    forward under varlen_sdpa is transformers' SDPA unchanged."""
+    packed logprobs equals the padded path's (prompts shared by 3 responses, rows shuffled), also when
+    the layers are recomputed in the backward pass (gradient checkpointing); a padded forward under
+    varlen_sdpa is transformers' SDPA unchanged."""
     calls, varlen_sdpa = [], batches.varlen_sdpa
 
     def counted(*args, packed_attention=None, **kwargs):
@@ -73,6 +75,9 @@ def test_packed_gradients_equal_padded_and_take_the_packed_attention(tmp_path, m
         return varlen_sdpa(*args, packed_attention=packed_attention, **kwargs)
 
     policy = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path), dtype=torch.float32).to(DEVICE)
+    if checkpointing:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        policy.train()  # transformers checkpoints only in training mode
     mb = shuffled_batch(12, seed=4, n=3)
     mask = mb["response_mask"].bool()
     results = []
@@ -86,6 +91,7 @@ def test_packed_gradients_equal_padded_and_take_the_packed_attention(tmp_path, m
         results.append((logprobs.detach(), entropy.detach(), policy.model.layers[0].self_attn.q_proj.weight.grad))
     (lp_pad, ent_pad, g_pad), (lp_pack, ent_pack, g_pack), (lp_pad2, _, _) = results
     assert calls[:len(policy.model.layers)] == [True] * len(policy.model.layers)
+    assert sum(calls) == len(policy.model.layers) * (2 if checkpointing else 1)  # recomputed: packed again
     assert (lp_pad - lp_pack)[mask].abs().max() < TOL and (ent_pad - ent_pack)[mask].abs().max() < TOL
     assert (g_pad - g_pack).abs().max() < TOL * g_pad.abs().max()
     assert (lp_pad - lp_pad2)[mask].abs().max() < TOL
