@@ -5,8 +5,8 @@ within fp32 rounding (tests/test_packing.py):
     padded   left-padded queries + right-padded responses, (B, Tq+Tr)
     shared   each distinct prompt run once, its KV cache gathered to its n responses
              (model.share_prompt_prefix, the default)
-    packed   the real tokens in one row (1, N): every response, and its prompt only once,
-             and each distinct prompt once (model.use_remove_padding; attention through `varlen_sdpa`)
+    packed   real tokens only, in one row (1, N): each distinct prompt once, then every response
+             (model.use_remove_padding; attention through `varlen_sdpa`)
 and the fp32 log-softmax / entropy over a long vocabulary, `LOGITS_CHUNK` positions at a time.
 
 Shapes: B sequences, Tq prompt length, Tr response length, V vocab, N packed tokens.
@@ -88,7 +88,7 @@ def varlen_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
 
 def varlen_mask(attention_mask=None, batch_size=1, q_length=1, kv_length=1, **kwargs):
     """The mask `varlen_sdpa` is given: SDPA's for padded batches; none for one row without a padding mask
-    (a packed row, whose boundaries come as cu_seq_lens, or one plain sequence, which is causal)."""
+    (a packed row, whose groups come as packed_attention, or one plain sequence, which is causal)."""
     from transformers.masking_utils import sdpa_mask
 
     if attention_mask is None and batch_size == 1 and q_length == kv_length:
@@ -142,8 +142,7 @@ def packed_inputs(mb: dict):
     response tokens: the prompt's last token for the first, then the response's own tokens.
     """
     response_mask = mb["response_mask"].bool()
-    distinct, row_of = torch.unique(torch.cat([mb["queries"], mb["query_mask"]], 1), dim=0, return_inverse=True)
-    prompt_ids, prompt_mask = distinct.split(mb["queries"].shape[1], dim=1)  # (U, Tq) each, left-padded
+    prompt_ids, prompt_mask, row_of = distinct_prompts(mb)  # (U, Tq), (U, Tq), (B,)
     prompt_mask = prompt_mask.bool()
     Lq, Lr = prompt_mask.sum(1), response_mask.sum(1)  # (U,), (B,) real lengths
     prompt_start = torch.cumsum(Lq, 0) - Lq  # (U,) where each prompt begins in the row
@@ -173,6 +172,14 @@ def packed_inputs(mb: dict):
                   position_ids=position_ids[None], attention_mask=None,
                   packed_attention=dict(q_index=q_index, k_index=k_index, mask=mask, q_valid=q_valid))
     return inputs, before[response_mask]
+
+
+def distinct_prompts(mb: dict):
+    """The micro-batch's distinct prompts, (U, Tq) ids and mask, still left-padded, and row_of (B,): the
+    prompt of each row. GRPO-style batches hold each prompt n times."""
+    distinct, row_of = torch.unique(torch.cat([mb["queries"], mb["query_mask"]], 1), dim=0, return_inverse=True)
+    prompt_ids, prompt_mask = distinct.split(mb["queries"].shape[1], dim=1)
+    return prompt_ids, prompt_mask, row_of
 
 
 def micro_batch(batch: dict, inds, device):
@@ -214,9 +221,8 @@ def shared_prompt_logits(model, mb, **prompt_kwargs):
     """
     from transformers import DynamicCache
 
-    queries, query_mask, responses = mb["queries"], mb["query_mask"], mb["responses"]
-    distinct, row_of = torch.unique(torch.cat([queries, query_mask], 1), dim=0, return_inverse=True)
-    prompt_ids, prompt_mask = distinct.split(queries.shape[1], dim=1)  # (U, Tq) each
+    query_mask, responses = mb["query_mask"], mb["responses"]
+    prompt_ids, prompt_mask, row_of = distinct_prompts(mb)  # (U, Tq), (U, Tq), (B,)
     cache = DynamicCache()  # filled by the first call, read by the second (a critic does not return it)
     prompt = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=(prompt_mask.cumsum(1) - 1).clamp(
         min=0), past_key_values=cache, use_cache=True, **prompt_kwargs).logits[:, -1:]  # (U, 1, ·)

@@ -290,7 +290,7 @@ def main(cfg: config.Config):
         policy, actor_opt = accelerator.prepare(policy, actor_opt)
     scorer = Scorer(cfg.reward, device, dtype)
     layout = batch_layout(cfg.model, accelerator.distributed_type.name)
-    if layout == "packed":  # attention per packed sequence, not over an N×N mask
+    if layout == "packed":  # attention within each prompt / prompt+response group of the packed row
         for model in (policy, ref, critic):
             if model is not None:
                 use_varlen_attention(accelerator.unwrap_model(model))
@@ -450,9 +450,10 @@ def main(cfg: config.Config):
 
         # ---- guards: a run that drifts too far from the reference, or collapses, is validated and stops
         state.recent_kl = (state.recent_kl + [metrics.get("kl/mean", 0.0)])[-t.max_kl_window:]
-        if t.max_kl and sum(state.recent_kl) / len(state.recent_kl) > t.max_kl:
-            stop_reason = (f"kl/mean over the last {len(state.recent_kl)} steps "
-                           f"{sum(state.recent_kl) / len(state.recent_kl):.4f} > trainer.max_kl {t.max_kl}")
+        recent_kl = sum(state.recent_kl) / len(state.recent_kl)
+        if t.max_kl and recent_kl > t.max_kl:
+            stop_reason = (f"kl/mean over the last {len(state.recent_kl)} steps {recent_kl:.4f} "
+                           f"> trainer.max_kl {t.max_kl}")
         if t.min_entropy and metrics.get("policy/entropy", t.min_entropy) < t.min_entropy:
             message = f"policy/entropy {metrics['policy/entropy']:.4f} < trainer.min_entropy {t.min_entropy}"
             if t.min_entropy_action == "stop":

@@ -100,7 +100,7 @@ def main() -> None:
         print(f"{preset:8} ours vary_lengths layout={r['layout']:6}: {float(r['seconds_per_step']):.3f} s/step, "
               f"{float(r['tokens_per_s']):.0f} tok/s, training phases {float(r['train_tokens_per_s']):.0f} tok/s, "
               f"{r['peak_rss_mb']} MB")
-    for preset in {p for p, _ in extra}:
+    for preset in dict.fromkeys(p for p, _ in extra):  # in the order run
         by = {r["layout"]: float(r["train_tokens_per_s"]) for p, r in extra if p == preset}
         gain = by["packed"] / by["padded"] - 1
         print(f"goal packed ≥ 1.2 × padded training tokens/s, {preset}: {'MET' if gain >= 0.2 else 'NOT MET'} "
