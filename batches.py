@@ -110,12 +110,12 @@ def use_varlen_attention(model) -> None:
 # ---------------------------------------------------------------------------------------
 # Micro-batches and the forwards over them
 
-def batch_layout(cfg_model, distributed_type: str) -> str:
+def batch_layout(cfg_model, sharded: bool) -> str:
     """How training forwards lay out a micro-batch: "packed", "shared" (prompt prefix) or "padded"."""
     if cfg_model.use_remove_padding:
         return "packed"
     # HF drops the KV cache under gradient checkpointing; FSDP2 with two forwards per backward is untested
-    if cfg_model.share_prompt_prefix and not cfg_model.gradient_checkpointing and distributed_type != "FSDP":
+    if cfg_model.share_prompt_prefix and not cfg_model.gradient_checkpointing and not sharded:
         return "shared"
     return "padded"
 

@@ -58,11 +58,14 @@ def value_loss(values, old_values, returns, response_mask, cliprange: float):
     return 0.5 * torch.max(loss1, loss2), clipfrac
 
 
-def explained_variance(values, returns, response_mask) -> float:
-    """1 − Var[R − V] / Var[R] over the real tokens: 1 is perfect, 0 is no better than a constant."""
+def explained_variance(values, returns, response_mask, reduce_sum=None) -> float:
+    """1 − Var[R − V] / Var[R] over the real tokens of the whole batch (reduce_sum: a sum over processes):
+    1 is perfect, 0 is no better than a constant."""
     mask = response_mask.bool()
-    v, r = values[mask].float(), returns[mask].float()
-    var_r = r.var(unbiased=False)
-    if v.numel() < 2 or var_r == 0:
+    r, e = returns[mask].double(), (returns - values)[mask].double()
+    sums = torch.stack([r.new_tensor(float(len(r))), r.sum(), r.square().sum(), e.sum(), e.square().sum()])
+    n, s_r, s_r2, s_e, s_e2 = (reduce_sum(sums) if reduce_sum else sums).tolist()
+    var_r, var_e = s_r2 / max(n, 1) - (s_r / max(n, 1)) ** 2, s_e2 / max(n, 1) - (s_e / max(n, 1)) ** 2
+    if n < 2 or var_r <= 0:
         return float("nan")
-    return float(1 - (r - v).var(unbiased=False) / var_r)
+    return 1 - var_e / var_r

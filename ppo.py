@@ -28,10 +28,10 @@ Shapes: B sequences on this process (prompts × n), Tq prompt length, Tr respons
 """
 import functools
 import os
+import signal
 import sys
 import time
 from collections import defaultdict
-from contextlib import nullcontext
 
 import torch
 from accelerate import Accelerator
@@ -43,12 +43,15 @@ import data
 from batches import (batch_layout, forward_logprobs, forward_values, micro_batch, per_token_pass, split_micro,
                      use_varlen_attention)
 from critic import explained_variance, gae, load_critic, value_loss
+from distributed import (clip_grad_norm, describe, distribute, fsdp_from_launcher, full_state_dict, gradient_sync,
+                         load_training_state, save_training_state)
 from kl import KLController, kl_estimate, kl_penalty_rewards
-from rewards import Scorer
+from rewards import check_data_sources, load_reward_function, Scorer
 from rollout import HFRollout, left_pad, make_rollout
-from utils import (autocast_dtype, console_line, exact_div, load_policy, load_reference, load_tokenizer,
-                   make_optimizer, MetricsLogger, plot_curves, reduce_metrics, resume_or_start, sample_table,
-                   save_checkpoint, save_pretrained_atomic, timed)
+from utils import (autocast_dtype, check_loggers, check_model_path, console_line, exact_div, load_policy,
+                   load_reference, load_tokenizer, make_optimizer, MetricsLogger, plot_curves, reduce_metrics,
+                   restore_schedule, resume_or_start, sample_table, save_checkpoint, save_pretrained_atomic, start_run,
+                   StopSignal, timed, use_gradient_checkpointing, wandb_resume_id)
 
 # ---------------------------------------------------------------------------------------
 # Math: small pure functions, each a line of a paper
@@ -58,11 +61,15 @@ def masked_mean(x, mask, dim=None):
     return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
-def masked_whiten(x, mask, eps=1e-8):
-    """(x − mean) / std over the real tokens; padding stays 0."""
-    mean = masked_mean(x, mask)
-    var = masked_mean((x - mean).square(), mask)
-    return (x - mean) * torch.rsqrt(var + eps) * mask
+def masked_whiten(x, mask, reduce_sum=None, eps=1e-8):
+    """(x − mean) / std over the real tokens of the whole batch; padding stays 0. Biased variance, as in
+    lm-human-preferences (verl divides by N − 1). reduce_sum sums a tensor over processes (None: one process),
+    so that 2 processes whiten as 1 would."""
+    reduce_sum = reduce_sum or (lambda t: t)
+    total, count = reduce_sum(torch.stack([(x * mask).sum(), mask.sum().to(x.dtype)])).tolist()
+    mean = total / max(count, 1)
+    var = reduce_sum(((x - mean).square() * mask).sum()).item() / max(count, 1)
+    return (x - mean) * torch.rsqrt(torch.tensor(var + eps)) * mask
 
 
 def grpo_advantages(returns, response_mask, n: int, norm_by_std: bool, eps=1e-6):
@@ -84,6 +91,29 @@ def rloo_advantages(returns, response_mask, n: int):
     return (groups - baseline).reshape(-1, 1) * response_mask
 
 
+def reinforce_plus_plus_advantages(rewards, response_mask, gamma: float, reduce_sum=None):
+    """REINFORCE++ (Hu, 2025; OpenRLHF's `reinforce` estimator, trainer/ppo_utils/experience_maker.py):
+
+        G_t = r_t + γ·G_{t+1}        r_t = −β·KL_t at every token, + the score at the last real token
+        Â_t = (G_t − μ) / σ         μ, σ² = mean and variance of G over the real tokens of the GLOBAL batch
+    reduce_sum sums a tensor over processes (None: this process holds the whole batch).
+    rewards, response_mask (B, Tr) → (advantages, returns), both zero on padding.
+    """
+    rewards = rewards * response_mask
+    returns = torch.zeros_like(rewards)  # (B, Tr)
+    running = torch.zeros_like(rewards[:, 0])  # (B,)
+    for t in reversed(range(rewards.shape[1])):
+        running = rewards[:, t] + gamma * running
+        returns[:, t] = running
+    returns = returns * response_mask
+    sums = torch.stack([returns.sum(), returns.square().sum(), response_mask.sum()]).double()  # Σ G, Σ G², N
+    if reduce_sum is not None:
+        sums = reduce_sum(sums)
+    mean = sums[0] / sums[2]
+    var = (sums[1] / sums[2] - mean.square()).clamp(min=1e-8)
+    return ((returns - mean) * var.rsqrt()).float() * response_mask, returns
+
+
 def policy_loss(logprobs, old_logprobs, advantages, clip_low: float, clip_high: float, clip_c: float):
     """PPO's clipped surrogate, per token (Schulman et al., 2017), with dual clip (Ye et al., 2020):
 
@@ -98,6 +128,19 @@ def policy_loss(logprobs, old_logprobs, advantages, clip_low: float, clip_high: 
     pg = torch.max(pg_loss1, pg_loss2)
     pg = torch.where(advantages < 0, torch.min(pg, -advantages * clip_c), pg)
     return pg, (pg_loss2 > pg_loss1).float()
+
+
+def rollout_is_weights(old_logprobs, rollout_logprobs, response_mask, level: str, threshold: float):
+    """Truncated importance weights for the gap between sampler and trainer (Yao et al., 2025), all (B, Tr):
+
+        token:     w_t = min(exp(log π_old(y_t) − log π_rollout(y_t)), C)
+        sequence:  w_t = min(exp(Σ_s log π_old(y_s) − log π_rollout(y_s)), C)   the same for every t of a response
+    with C = threshold; padding's log-ratio counts as 0.
+    """
+    log_w = (old_logprobs - rollout_logprobs) * response_mask
+    if level == "sequence":
+        log_w = log_w.sum(1, keepdim=True).expand_as(log_w)
+    return log_w.exp().clamp(max=threshold)
 
 
 def agg_loss(loss_mat, mask, mode: str, num_tokens: float, num_seqs: float):
@@ -121,16 +164,16 @@ def agg_loss(loss_mat, mask, mode: str, num_tokens: float, num_seqs: float):
 # Updates
 
 
-def train_mini_batch(accelerator, model, optimizer, micro_batches, loss_fn, max_grad_norm: float):
+def train_mini_batch(model, optimizer, micro_batches, loss_fn, max_grad_norm: float):
     """Accumulate gradients over the micro-batches, then one clipped optimiser step.
 
     A non-finite loss or gradient never reaches the weights: the step is skipped (returns None).
-    DDP averages gradients only after the last micro-batch (no_sync before it).
+    DDP and FSDP2 average gradients over processes only after the last micro-batch.
     """
     for i, mb in enumerate(micro_batches):
-        with accelerator.no_sync(model) if i < len(micro_batches) - 1 else nullcontext():
-            accelerator.backward(loss_fn(mb))
-    grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+        with gradient_sync(model, enabled=i == len(micro_batches) - 1):
+            loss_fn(mb).backward()
+    grad_norm = clip_grad_norm(model.parameters(), max_grad_norm)
     finite = bool(torch.isfinite(grad_norm))  # the same on every process: gradients are already averaged
     if finite:
         optimizer.step()
@@ -146,10 +189,8 @@ def actor_loss(cfg, policy, mb, temperature, dtype, layout, norm, on_policy, use
     pg, clipped = policy_loss(logprobs, old, mb["advantages"], cfg.actor.clip_ratio_low,
                               cfg.actor.clip_ratio_high, cfg.actor.clip_ratio_c)
     if "rollout_logprobs" in mb:  # departure 2: how far the sampler was from the training model
-        log_w = (old - mb["rollout_logprobs"]) * mask
-        if alg.rollout_is == "sequence":
-            log_w = log_w.sum(1, keepdim=True).expand_as(log_w)
-        is_weight = log_w.exp().clamp(max=alg.rollout_is_threshold)  # truncated IS (Yao et al., 2025)
+        level = "sequence" if alg.rollout_is == "sequence" else "token"  # off: token weights, logged only
+        is_weight = rollout_is_weights(old, mb["rollout_logprobs"], mask, level, alg.rollout_is_threshold)
         if alg.rollout_is != "off":
             pg = pg * is_weight
         diff = (old - mb["rollout_logprobs"]).abs() * mask
@@ -183,19 +224,24 @@ def critic_loss(cfg, critic, mb, dtype, layout, norm, stats):
 
 
 class TrainState:
-    """What a checkpoint needs beyond models and optimisers: the step, the data position, β, recent KL."""
+    """What a checkpoint needs beyond weights and optimiser states, as plain data: the step, the data
+    position, β, recent KL, and how far each LR schedule has gone."""
 
-    def __init__(self, kl_ctrl: KLController):
+    def __init__(self, kl_ctrl: KLController, schedulers: dict):
         self.step, self.epoch, self.position, self.skipped, self.kl_ctrl = 0, 0, 0, 0, kl_ctrl
         self.recent_kl = []  # kl/mean of the last trainer.max_kl_window steps, for the guard
+        self.schedulers = {name: s for name, s in schedulers.items() if s is not None}
 
     def state_dict(self):
         return {"step": self.step, "epoch": self.epoch, "position": self.position, "skipped": self.skipped,
-                "kl_coef": self.kl_ctrl.value, "recent_kl": self.recent_kl}
+                "kl_coef": self.kl_ctrl.value, "recent_kl": self.recent_kl,
+                "lr_steps": {name: s.last_epoch for name, s in self.schedulers.items()}}
 
     def load_state_dict(self, s):
         self.step, self.epoch, self.position, self.skipped = s["step"], s["epoch"], s["position"], s["skipped"]
-        self.kl_ctrl.value, self.recent_kl = s["kl_coef"], s.get("recent_kl", [])
+        self.kl_ctrl.value, self.recent_kl = s["kl_coef"], s["recent_kl"]
+        for name, scheduler in self.schedulers.items():
+            restore_schedule(scheduler, s["lr_steps"][name])
 
 
 def next_prompts(state: TrainState, num_rows: int, batch_size: int, seed: int, shuffle: bool):
@@ -207,6 +253,10 @@ def next_prompts(state: TrainState, num_rows: int, batch_size: int, seed: int, s
     inds = order[state.position:state.position + batch_size].tolist()
     state.position += batch_size
     return inds
+
+
+def sum_over_processes(accelerator, x: torch.Tensor) -> torch.Tensor:
+    return accelerator.reduce(x.to(accelerator.device), "sum").to(x.device)
 
 
 def decode_responses(tokenizer, responses, response_mask) -> list[str]:
@@ -252,9 +302,34 @@ def check_sizes(cfg, world: int, num_rows: int) -> dict:
                 batch=prompts * n)
 
 
+def check_inputs(cfg) -> None:
+    """The models and the reward function this run will load, checked before anything loads."""
+    check_model_path(cfg.model.path, "model.path")
+    check_model_path(cfg.model.tokenizer_path or cfg.model.path, "model.tokenizer_path", need="tokenizer")
+    if cfg.algorithm.adv_estimator == "gae":
+        check_model_path(cfg.critic.model_path or cfg.model.path, "critic.model_path")
+    if cfg.reward.type in ("model", "both"):
+        if not cfg.reward.model_path:
+            raise config.ConfigError(f"reward.type={cfg.reward.type} needs reward.model_path (the final/ folder "
+                                     f"written by reward_model.py)")
+        check_model_path(cfg.reward.model_path, "reward.model_path")
+    if cfg.reward.type in ("rule", "both"):
+        try:
+            load_reward_function(cfg.reward.function)
+        except ValueError as e:
+            raise config.ConfigError(str(e)) from None
+
+
 def main(cfg: config.Config):
-    accelerator = Accelerator()
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())  # on a CPU, launched processes join over gloo
+    fsdp = fsdp_from_launcher()  # FSDP2 settings of an accelerate config file, or None
     print0 = functools.partial(accelerator.print, flush=True)  # rank 0 only; flushed even into a pipe
+    # before anything loads: output_dir is this run's alone, a checkpoint fits this config, the inputs exist
+    lock, _, finished = start_run(accelerator, cfg, "trainer")  # the lock is held until the process ends
+    if finished:
+        return None
+    check_inputs(cfg)
+    check_loggers(cfg.trainer.logger, "trainer.logger")
     set_seed(cfg.trainer.seed)
     t, alg, device = cfg.trainer, cfg.algorithm, accelerator.device
     dtype = autocast_dtype(cfg.model.dtype)
@@ -271,25 +346,27 @@ def main(cfg: config.Config):
         val_rows = val_rows[:cfg.data.val_max_samples or None]
         print0(f"val prompts: {val_stats}, using {len(val_rows)}")
     sizes = check_sizes(cfg, accelerator.num_processes, len(train_rows))
+    check_data_sources({r["data_source"] for r in train_rows + val_rows}, cfg.reward)  # each has a rule
     n, B = cfg.rollout.n, sizes["batch"]
     on_policy_shortcut = (cfg.actor.ppo_epochs == 1 and sizes["num_mini"] == 1 and not alg.use_kl_in_reward)
 
-    # ---- models: actor, reference, critic, reward
-    policy = load_policy(cfg.model)
+    # ---- models: actor, reference, critic (each sharded under FSDP2, else replicated), reward
+    policy = distribute(load_policy(cfg.model), accelerator, fsdp, trainable=True)
+    actor_opt, actor_sched = make_optimizer(policy, cfg.actor.optim, t.total_steps)  # after sharding: DTensors
     use_ref = alg.use_kl_in_reward or alg.use_kl_loss
     ref = None
     if use_ref and cfg.model.lora_rank == 0:  # with LoRA the reference is the actor with its adapter disabled
-        ref = load_reference(cfg.model.path, accelerator)
-    actor_opt, actor_sched = make_optimizer(policy, cfg.actor.optim, t.total_steps)
+        ref = distribute(load_reference(cfg.model.path), accelerator, fsdp, trainable=False)
     critic = critic_opt = critic_sched = None
     if alg.adv_estimator == "gae":
         critic = load_critic(cfg.critic.model_path or cfg.model.path)
+        if cfg.model.gradient_checkpointing:
+            use_gradient_checkpointing(critic)
+        critic = distribute(critic, accelerator, fsdp, trainable=True)
         critic_opt, critic_sched = make_optimizer(critic, cfg.critic.optim, t.total_steps)
-        policy, actor_opt, critic, critic_opt = accelerator.prepare(policy, actor_opt, critic, critic_opt)
-    else:
-        policy, actor_opt = accelerator.prepare(policy, actor_opt)
-    scorer = Scorer(cfg.reward, device, dtype)
-    layout = batch_layout(cfg.model, accelerator.distributed_type.name)
+    scorer = Scorer(cfg.reward, device, dtype)  # a reward model is replicated: it only runs forward passes
+    print0(describe(fsdp, accelerator, ["policy"] + ["critic"] * (critic is not None) + ["reference"] * (ref is not None)))
+    layout = batch_layout(cfg.model, sharded=fsdp is not None)
     if layout == "packed":  # attention within each prompt / prompt+response group of the packed row
         for model in (policy, ref, critic):
             if model is not None:
@@ -297,15 +374,19 @@ def main(cfg: config.Config):
 
     # ---- state, resume
     state = TrainState(KLController(alg.kl_ctrl.type, alg.kl_ctrl.kl_coef, alg.kl_ctrl.target_kl,
-                                    alg.kl_ctrl.horizon))
-    accelerator.register_for_checkpointing(state, actor_sched, *([critic_sched] if critic else []))
+                                    alg.kl_ctrl.horizon), {"actor": actor_sched, "critic": critic_sched})
+    checkpointed = {"policy": (policy, actor_opt), "critic": (critic, critic_opt)} if critic else {
+        "policy": (policy, actor_opt)}
     logger = MetricsLogger(t.output_dir, t.logger, config.to_dict(cfg), t.project_name, t.experiment_name,
-                           accelerator.is_main_process)
-    if resume_from := resume_or_start(accelerator, t.resume, t.output_dir, logger, cfg):
+                           accelerator.is_main_process, resume_id=wandb_resume_id(t.resume, t.output_dir))
+    resume_from, saved_state = resume_or_start(accelerator, t.resume, t.output_dir, logger, cfg, checkpointed)
+    if resume_from:
+        state.load_state_dict(saved_state)
         print0(f"resumed from {resume_from} at step {state.step}")
-    rollout = make_rollout(cfg, policy, tokenizer, accelerator, dtype)
+    rollout = make_rollout(cfg, policy, tokenizer, accelerator, dtype, synced_forwards=fsdp is not None)
     unwrapped = accelerator.unwrap_model(policy)
     temperature = cfg.rollout.temperature or 1.0
+    reduce_sum = functools.partial(sum_over_processes, accelerator)
 
     def ref_logprobs_of(mb):
         if ref is not None:
@@ -320,7 +401,7 @@ def main(cfg: config.Config):
         print0("validation before training: " + console_line(metrics, sorted(metrics)))
         logger.log(metrics, 0)
 
-    stop_reason = None
+    stop_reason, stop_signal = None, StopSignal(verbose=accelerator.is_main_process)
     bar = tqdm(range(state.step + 1, t.total_steps + 1), disable=not accelerator.is_main_process,
                desc="ppo", dynamic_ncols=True)
     for step in bar:
@@ -353,7 +434,13 @@ def main(cfg: config.Config):
             scores = scores + cfg.reward.overlong_penalty * truncated.float()
         metrics.update(reward_metrics)
 
-        # ---- 4. old/ref logprobs and values, without grad, micro-batched
+        # ---- 4. old/ref logprobs and values, without grad, micro-batched. Eval mode here, train mode for the
+        # updates: that only switches gradient checkpointing (transformers recomputes only in train mode), since
+        # every dropout is 0 (these configs' attention_dropout, lora_dropout's default, the critic's head). A
+        # lora_dropout > 0 would make the first epoch's ratio differ from 1.
+        for model in (policy, critic):
+            if model is not None:
+                model.eval()
         tok_lengths = (query_mask.sum(1) + lengths).tolist()
         if not on_policy_shortcut:
             with timed(times, "time/old_logprob_s"):
@@ -383,16 +470,23 @@ def main(cfg: config.Config):
         if alg.adv_estimator == "gae":
             advantages, returns = gae(token_rewards, batch["values"], response_mask.float(), alg.gamma, alg.lam)
             if alg.whiten_advantages:
-                advantages = masked_whiten(advantages, response_mask)
+                advantages = masked_whiten(advantages, response_mask, reduce_sum)
             batch["returns"] = returns
         elif alg.adv_estimator == "grpo":
             advantages = grpo_advantages(token_rewards.sum(1), response_mask, n, alg.norm_adv_by_std_in_grpo)
+        elif alg.adv_estimator == "reinforce_plus_plus":  # whitened with the statistics of every process
+            advantages, _ = reinforce_plus_plus_advantages(
+                token_rewards, response_mask.float(), alg.gamma,
+                reduce_sum)
         else:
             advantages = rloo_advantages(token_rewards.sum(1), response_mask, n)
         batch["advantages"] = advantages
 
         # ---- 7. PPO epochs over mini-batches, gradient accumulation over micro-batches
         stats = defaultdict(list)  # metric name → one value per micro-batch (or per optimiser step)
+        for model in (policy, critic):
+            if model is not None:
+                model.train()
         update_actor = step > cfg.critic.warmup_steps  # critic warmup: the actor waits for useful values
         g = torch.Generator().manual_seed(t.seed * 7919 + step)
         for epoch in range(cfg.actor.ppo_epochs):
@@ -406,8 +500,7 @@ def main(cfg: config.Config):
                                   split_micro(mb_inds, tok_lengths, sizes["micro"], max_tok)]
                         loss_fn = lambda mb: actor_loss(cfg, policy, mb, temperature, dtype, layout, norm, on_policy_shortcut,  # noqa: E731
                                                         use_ref, epoch == 0, stats)
-                        grad_norm = train_mini_batch(accelerator, policy, actor_opt, micros, loss_fn,
-                                                     cfg.actor.max_grad_norm)
+                        grad_norm = train_mini_batch(policy, actor_opt, micros, loss_fn, cfg.actor.max_grad_norm)
                     state.skipped += grad_norm is None
                     stats["actor/grad_norm"] += [grad_norm] if grad_norm is not None else []
                 if critic is not None:
@@ -415,8 +508,7 @@ def main(cfg: config.Config):
                         micros = [micro_batch(batch, i, device) for i in
                                   split_micro(mb_inds, tok_lengths, sizes["critic_micro"], max_tok)]
                         loss_fn = lambda mb: critic_loss(cfg, critic, mb, dtype, layout, norm, stats)  # noqa: E731
-                        grad_norm = train_mini_batch(accelerator, critic, critic_opt, micros, loss_fn,
-                                                     cfg.actor.max_grad_norm)
+                        grad_norm = train_mini_batch(critic, critic_opt, micros, loss_fn, cfg.actor.max_grad_norm)
                     state.skipped += grad_norm is None
                     stats["critic/grad_norm"] += [grad_norm] if grad_norm is not None else []
         metrics["actor/lr"] = actor_sched.get_last_lr()[0]
@@ -439,7 +531,8 @@ def main(cfg: config.Config):
         metrics.update({k: max(v) if k.endswith("_max") else sum(v) / len(v) for k, v in stats.items() if v})
         if critic is not None:
             metrics["value/mean"] = masked_mean(batch["values"], response_mask).item()
-            metrics["value/explained_var"] = explained_variance(batch["values"], batch["returns"], response_mask)
+            metrics["value/explained_var"] = explained_variance(batch["values"], batch["returns"], response_mask,
+                                                                reduce_sum)
         metrics = reduce_metrics(accelerator, metrics)
         tokens = accelerator.reduce(torch.tensor(float(query_mask.sum() + lengths.sum()), device=device), "sum").item()
         times["time/step_s"] = time.perf_counter() - t0
@@ -473,23 +566,28 @@ def main(cfg: config.Config):
             shown = list(range(0, B, max(1, B // t.num_samples_to_show)))[:t.num_samples_to_show]
             print0(sample_table([(rows[i]["prompt_text"][-40:], texts[i], scores[i].item()) for i in shown]))
 
-        # ---- 10. checkpoint
-        if (t.save_freq and step % t.save_freq == 0) or step == t.total_steps or stop_reason:
-            save_checkpoint(accelerator, t.output_dir, step, t.keep_checkpoints)
+        # ---- 10. checkpoint; SIGTERM (Slurm's preemption) or Ctrl-C ends the run here, and a rerun resumes
+        signum = stop_signal.received(accelerator)
+        if (t.save_freq and step % t.save_freq == 0) or step == t.total_steps or stop_reason or signum:
+            save_checkpoint(accelerator, t.output_dir, step, t.keep_checkpoints, checkpointed, state.state_dict())
+        if signum:
+            print0(f"stopped by {signal.Signals(signum).name} after step {step}, checkpoint saved; run the same "
+                   f"command again to resume")
+            logger.close()
+            sys.exit(128 + signum)
         if stop_reason:
             print0(f"stopping at step {step}: {stop_reason} (checkpoint saved)")
             break
 
     # ---- the policy in HF format, and curves for people who would rather look than read
     final = os.path.join(t.output_dir, "final")
-    state_dict = accelerator.get_state_dict(policy)
+    state_dict = full_state_dict(policy)  # every process takes part in gathering the shards
     if accelerator.is_main_process:
         save_pretrained_atomic(unwrapped, tokenizer, final, state_dict)
         print0(f"policy saved to {final}" + (f"; merge the adapter with: python merge_lora.py {final} "
                                              f"{t.output_dir}/merged" if cfg.model.lora_rank else ""))
         if t.plot_curves and os.path.exists(logger.path):
-            plot_curves(logger.path, os.path.join(t.output_dir, "curves.png"),
-                        ["score/mean", "kl/mean", "policy/entropy", "loss/value", "val/score/mean"])
+            plot_curves(logger.path, os.path.join(t.output_dir, "curves.png"))  # the panels of utils.CURVE_KEYS
     logger.close()
     accelerator.wait_for_everyone()
     if isinstance(rollout, HFRollout):  # a vLLM engine destroys the process group itself at exit
@@ -501,4 +599,8 @@ if __name__ == "__main__":
     try:
         main(config.parse_args(sys.argv[1:], __doc__))
     except (config.ConfigError, data.DataError) as e:  # a user's mistake: one sentence, no traceback
-        sys.exit(f"ppo.py: {e}")
+        sys.exit(f"ppo.py: {e}" if os.environ.get("RANK", "0") == "0" else 1)  # once, from rank 0
+    except KeyboardInterrupt:  # Ctrl-C while loading, or a second signal while training
+        if os.environ.get("RANK", "0") == "0":
+            print("ppo.py: interrupted; the last checkpoint is kept", file=sys.stderr)
+        sys.exit(130)

@@ -228,7 +228,7 @@ class VLLMRollout:
             self.asleep = False
 
 
-def make_rollout(cfg, model, tokenizer, accelerator, autocast_dtype=None):
+def make_rollout(cfg, model, tokenizer, accelerator, autocast_dtype=None, synced_forwards: bool = False):
     """The backend named by `cfg.rollout.name`; vLLM falls back to HF, with one warning, where it is missing."""
     name = cfg.rollout.name
     if name == "vllm":
@@ -244,5 +244,6 @@ def make_rollout(cfg, model, tokenizer, accelerator, autocast_dtype=None):
             name = "hf"
     if name == "vllm":
         return VLLMRollout(cfg, model, tokenizer, unwrap=accelerator.unwrap_model)
-    synced = accelerator.distributed_type.name == "FSDP"
-    return HFRollout(accelerator.unwrap_model(model), tokenizer, cfg.rollout, autocast_dtype, synced_gpus=synced)
+    # synced_forwards (FSDP2): every process must run as many forwards as the one with the longest response
+    return HFRollout(accelerator.unwrap_model(model), tokenizer, cfg.rollout, autocast_dtype,
+                     synced_gpus=synced_forwards)

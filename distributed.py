@@ -1,0 +1,207 @@
+"""How models are spread over processes, and how a run's training state is saved and restored.
+
+    accelerate launch ppo.py ...                                          1 process
+    accelerate launch --num_processes 2 ppo.py ...                        DDP: a replica per process
+    accelerate launch --config_file accelerate_configs/fsdp2.yaml ...     FSDP2: every model sharded
+
+FSDP2 is torch's own `fully_shard`, called here for every model (actor, critic, reference), the same way on
+CPU (gloo) and GPUs (nccl). Accelerate 1.15 only launches the processes: its FSDP2 `prepare` takes one model
+per call and refuses a model without an optimiser, and on a CPU it never selects FSDP at all. So the launcher's
+FSDP_* variables (written from the yaml) are read here, as verl and TRL shard optimiser-less models directly.
+
+Checkpoints hold tensors in safetensors files (one per process, read back on any process count) and
+everything else as JSON: nothing in a checkpoint is unpickled, so a planted file cannot run code.
+"""
+import json
+import os
+import random
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from config import ConfigError
+
+
+@dataclass
+class FSDP:
+    """The FSDP2 settings of an accelerate config file (the launcher passes them as FSDP_* variables)."""
+    reshard_after_forward: bool  # free each gathered layer after its forward (ZeRO-3) or keep it (ZeRO-2)
+    offload_params: bool  # sharded parameters, gradients and optimiser state live in host memory
+    mixed_precision: str  # "no" or "bf16": bf16 gathers and compute, fp32 master weights and gradient reduction
+
+
+def fsdp_from_launcher() -> Optional[FSDP]:
+    """FSDP settings when launched with an FSDP config (ACCELERATE_USE_FSDP=true), else None."""
+    env = os.environ.get
+    if env("ACCELERATE_USE_FSDP", "false").lower() != "true":
+        return None
+    if env("FSDP_VERSION", "1") != "2":
+        raise ConfigError("the accelerate config asks for FSDP version 1; this library shards with FSDP2: set "
+                          "fsdp_version: 2 (see accelerate_configs/fsdp2.yaml)")
+    mixed = env("ACCELERATE_MIXED_PRECISION", "no")
+    if mixed not in ("no", "bf16"):
+        raise ConfigError(f"mixed_precision: {mixed} in the accelerate config; use bf16 or no")
+    for key in ("FSDP_ACTIVATION_CHECKPOINTING", "FSDP_CPU_RAM_EFFICIENT_LOADING"):
+        if env(key, "false").lower() == "true":
+            raise ConfigError(f"{key.lower()}: true in the accelerate config is not used here; remove it "
+                              "(activation checkpointing is model.gradient_checkpointing=true)")
+    return FSDP(reshard_after_forward=env("FSDP_RESHARD_AFTER_FORWARD", "true").lower() == "true",
+                offload_params=env("FSDP_OFFLOAD_PARAMS", "false").lower() == "true", mixed_precision=mixed)
+
+
+def shard(model, fsdp: FSDP, device):
+    """fully_shard each decoder layer (the model's `_no_split_modules`), then the whole model, in place."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard, MixedPrecisionPolicy
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under a PEFT wrapper
+    layer_classes = set(base._no_split_modules or [])
+    kwargs = dict(mesh=init_device_mesh(device.type, (torch.distributed.get_world_size(),)),
+                  reshard_after_forward=fsdp.reshard_after_forward)
+    if fsdp.mixed_precision == "bf16":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if fsdp.offload_params:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    else:
+        model.to(device)
+    for module in model.modules():
+        if type(module).__name__ in layer_classes:
+            fully_shard(module, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def distribute(model, accelerator, fsdp: Optional[FSDP], trainable: bool):
+    """FSDP2 shards the model; DDP wraps a trainable one; otherwise it is one copy on this device."""
+    if fsdp is not None:
+        return shard(model, fsdp, accelerator.device)
+    if trainable and accelerator.num_processes > 1:
+        return accelerator.prepare_model(model)
+    return model.to(accelerator.device)
+
+
+def describe(fsdp: Optional[FSDP], accelerator, names: list) -> str:
+    """One line for the log: the strategy, the process count, and what became of the models `names`."""
+    world = accelerator.num_processes
+    backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else "none"
+    if fsdp is not None:
+        return (f"parallel: fsdp2 over {world} processes ({backend}); sharded: {', '.join(names)} "
+                f"(reshard_after_forward={fsdp.reshard_after_forward}, offload_params={fsdp.offload_params}, "
+                f"mixed_precision={fsdp.mixed_precision}); a reward model is replicated")
+    if world > 1:
+        return f"parallel: ddp over {world} processes ({backend}); replicated: {', '.join(names)}"
+    return f"parallel: 1 process; {', '.join(names)} whole"
+
+
+@contextmanager
+def gradient_sync(model, enabled: bool):
+    """Accumulate gradients locally (enabled=False) until the last micro-batch, where they are averaged."""
+    if enabled:
+        yield
+    elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:  # DDP, or one process
+        with model.no_sync() if hasattr(model, "no_sync") else nullcontext():
+            yield
+
+
+def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
+    """‖g‖₂ over all gradients, every shard included; g is scaled down to max_norm when it is larger."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in parameters if p.grad is not None]
+    total = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if isinstance(total, DTensor):  # each process holds the norm of its shards: combine them (as torchtitan does)
+        total = total.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+def full_state_dict(model) -> dict:
+    """Every weight whole, on the CPU (a collective under FSDP2: every process calls it)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, StateDictOptions
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+# ---------------------------------------------------------------------------------------
+# Checkpoints: tensors/ (safetensors, one file per process), state.json, rng_<rank>.json
+
+
+def _tensors(models: dict) -> dict:
+    """{name: (model, optimizer or None)} → one flat dict of every tensor to save: trainable weights, and the
+    optimiser's state under `<name>.optim.`. Non-tensor optimiser entries (lr, betas …) come from the config."""
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         StateDictOptions)
+
+    options = StateDictOptions(ignore_frozen_params=True, flatten_optimizer_state_dict=True)
+    out = {}
+    for name, (model, optimizer) in models.items():
+        out.update({f"{name}.{k}": v for k, v in get_model_state_dict(model, options=options).items()})
+        if optimizer is not None:
+            state = get_optimizer_state_dict(model, optimizer, options=options)
+            out.update({f"{name}.optim.{k}": v for k, v in state.items() if isinstance(v, torch.Tensor)})
+    return out
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state().tolist()}
+    if torch.cuda.is_available():
+        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+
+
+def save_training_state(path: str, models: dict, state: dict) -> None:
+    """Write models' trainable weights and optimiser states (every process its shard), `state` (rank 0,
+    plain data) and each process's RNG state into the folder `path`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    dcp.save(_tensors(models), storage_writer=HuggingFaceStorageWriter(os.path.join(path, "tensors"),
+                                                                       save_distributed=True))
+    with open(os.path.join(path, f"rng_{rank}.json"), "w") as f:
+        json.dump(rng_state(), f)
+    if rank == 0:
+        with open(os.path.join(path, "state.json"), "w") as f:
+            json.dump(state, f, indent=1)
+
+
+def load_training_state(path: str, models: dict) -> dict:
+    """Restore what `save_training_state` wrote, on this run's process count; returns the plain-data state."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict, set_model_state_dict,
+                                                         set_optimizer_state_dict, StateDictOptions)
+
+    tensors = _tensors(models)  # the layout to fill, sharded as this run's models are
+    dcp.load(tensors, storage_reader=HuggingFaceStorageReader(os.path.join(path, "tensors")))
+    options = StateDictOptions(ignore_frozen_params=True, flatten_optimizer_state_dict=True, strict=False)
+    for name, (model, optimizer) in models.items():
+        mine = {k[len(name) + 1:]: v for k, v in tensors.items() if k.startswith(name + ".")}
+        set_model_state_dict(model, {k: v for k, v in mine.items() if not k.startswith("optim.")}, options=options)
+        if optimizer is not None:
+            state = get_optimizer_state_dict(model, optimizer, options=options)  # param_groups from the config
+            state.update({k[len("optim."):]: v for k, v in mine.items() if k.startswith("optim.")})
+            set_optimizer_state_dict(model, optimizer, state, options=options)
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    rng_file = os.path.join(path, f"rng_{rank}.json")
+    if os.path.exists(rng_file):  # absent for a process that the saving run did not have
+        with open(rng_file) as f:
+            set_rng_state(json.load(f))
+    with open(os.path.join(path, "state.json")) as f:
+        return json.load(f)
