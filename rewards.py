@@ -1,32 +1,48 @@
 """Rule rewards with verl's signature: compute_score(data_source, solution_str, ground_truth, extra_info=None).
 
-Built-ins, chosen by data_source in `default_compute_score`:
-  openai/gsm8k, gsm8k        "#### <n>" compared numerically to the ground truth (verl's gsm8k.py)
-  lighteval/MATH, …, math    the last \\boxed{…}, lightly normalised, compared as a string
-  arithmetic                 the demo: the whole response must be "a + b = c" or the bare number c
+`default_compute_score` routes each row's data_source as verl 0.9.1 does, to verl's own rules, ported in
+verl_rules.py with their quirks: a response scores exactly as in verl (tests/test_verl_rewards.py checks it):
+  openai/gsm8k                                       "#### <n>" in the last 300 characters, compared as text
+  lighteval/MATH, DigitalLearningGmbH/MATH-lighteval,
+  HuggingFaceH4/MATH-500                             the last \\boxed, Hendrycks' MATH normalisation
+  math, math_dapo, math_dapo_reasoning, aime*        DAPO: "Answer: …" (else \\boxed), scores +1 / −1
+  numina_aops_forum, numina_synthetic_math, numina_amc_aime, numina_synthetic_amc, numina_cn_k12,
+  numina_olympiads                                   PRIME's math grader (sympy)
+This library's own rules, more lenient, under their own names:
+  gsm8k        "#### <n>" anywhere (spacing, "$", commas, a trailing "." allowed), compared as exact numbers
+  boxed        the last \\boxed{…}, lightly normalised, compared as a string
+  arithmetic   the demo: the whole response must be "a + b = c" or the bare number c
+verl's code, search-tool and image routes are not built in: check_data_sources stops such a run at start-up.
 
-A custom function is `reward.function=path/to/file.py:name`; verl reward files work unchanged.
-A function may return a number, or a dict with "score" and other numbers to log.
+A custom function is `reward.function=path/to/file.py:name` (the file is executed); verl reward files work
+unchanged, `async def` ones included. A function may return a number, or a dict with "score" and other numbers to log.
 """
+import asyncio
 import importlib.util
+import inspect
 import math
 import numbers
 import os
 import re
 import sys
 import warnings
+from fractions import Fraction
 
-# ---- GSM8K (verl/utils/reward_score/gsm8k.py)
+import verl_rules
+from config import ConfigError
+
+# ---- gsm8k: this library's lenient GSM8K rule (verl's own is verl_rules.gsm8k, for openai/gsm8k)
 
 GSM8K_ANSWER = re.compile(r"####\s*\$?\s*(-?[0-9.,]*[0-9])")
 ANY_NUMBER = re.compile(r"-?[0-9][0-9,]*(?:\.[0-9]+)?")
 
 
 def to_number(text: str):
-    """float of "1,234" or "$5." or "-3.50"; None when it is not a number."""
+    """The exact value (a Fraction) of "1,234" or "$5." or "-3.50"; None when it is not a number. Exact, so
+    1000000001 ≠ 1000000000 and 0.0000001 ≠ 0 (a float tolerance once matched both)."""
     try:
-        return float(text.replace(",", "").replace("$", "").strip().rstrip("."))
-    except ValueError:
+        return Fraction(text.replace(",", "").replace("$", "").strip().rstrip("."))
+    except (ValueError, ZeroDivisionError):
         return None
 
 
@@ -40,16 +56,16 @@ def extract_gsm8k(solution_str: str, strict: bool = True):
 
 def gsm8k_score(solution_str: str, ground_truth: str, strict: bool = True,
                 format_score: float = 0.0, score: float = 1.0) -> float:
-    """score when the extracted answer equals ground_truth numerically, format_score when an answer was
-    found but is wrong, 0.0 when none was found (verl's convention)."""
+    """score when the extracted answer equals ground_truth as an exact number ("#### 72.0" = "72"), format_score
+    when an answer was found but is wrong, 0.0 when none was found (verl's convention)."""
     answer = extract_gsm8k(solution_str, strict)
     if answer is None:
         return 0.0
     got, want = to_number(answer), to_number(str(ground_truth))
-    return score if got is not None and want is not None and math.isclose(got, want, abs_tol=1e-6) else format_score
+    return score if got is not None and got == want else format_score
 
 
-# ---- MATH (the last \boxed{…}, as in verl/utils/reward_score/math.py, with lighter normalisation)
+# ---- boxed: this library's lenient \boxed{} rule (verl's MATH rule is verl_rules.hendrycks_math)
 
 
 def last_boxed(text: str):
@@ -78,7 +94,7 @@ def normalize_math(answer: str) -> str:
     return "".join(answer.split()).rstrip(".")
 
 
-def math_score(solution_str: str, ground_truth: str) -> float:
+def boxed_score(solution_str: str, ground_truth: str) -> float:
     """1.0 when the last boxed answer equals the ground truth (itself unboxed if boxed) after normalising."""
     answer = last_boxed(solution_str)
     if answer is None:
@@ -101,26 +117,61 @@ def arithmetic_score(solution_str: str, ground_truth: str) -> float:
     return float(bool(match) and int(match.group(1)) == int(str(ground_truth).strip()))
 
 
-# ---- dispatch and loading
+# ---- dispatch by data_source, as verl's default_compute_score
 
+NUMINA = ["numina_aops_forum", "numina_synthetic_math", "numina_amc_aime", "numina_synthetic_amc", "numina_cn_k12",
+          "numina_olympiads"]
 BUILTIN_SCORES = {
-    "openai/gsm8k": gsm8k_score,
-    "gsm8k": gsm8k_score,
-    "lighteval/MATH": math_score,
-    "DigitalLearningGmbH/MATH-lighteval": math_score,
-    "math": math_score,
-    "HuggingFaceH4/MATH-500": math_score,
-    "arithmetic": arithmetic_score,
+    "openai/gsm8k": verl_rules.gsm8k,
+    **dict.fromkeys(["lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500"],
+                    verl_rules.hendrycks_math),
+    **dict.fromkeys(["math_dapo", "math", "math_dapo_reasoning"], verl_rules.dapo),  # and every aime*
+    **dict.fromkeys(NUMINA, verl_rules.prime_math),
+    "gsm8k": gsm8k_score, "boxed": boxed_score, "arithmetic": arithmetic_score,  # this library's own
+}
+KNOWN = ("openai/gsm8k, lighteval/MATH, DigitalLearningGmbH/MATH-lighteval, HuggingFaceH4/MATH-500, math, math_dapo, "
+         "math_dapo_reasoning, aime*, numina_*, gsm8k, boxed, arithmetic")
+NOT_BUILT_IN = {  # why a source has no rule here: verl needs more than a rule for these
+    **dict.fromkeys(["codecontests", "apps", "codeforces", "taco"], "verl runs the code in a sandbox"),
+    "hiyouga/geometry3k": "an image task verl scores with mathruler",
+    "unknown": "rows with no data_source, as data.py names them",
+    **{f"searchR1_{name}": "verl's search-tool task" for name in
+       ["nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle"]},
 }
 
 
-def default_compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float:
-    """The built-in rule for data_source; an unknown data_source is a ValueError naming the way out."""
-    if data_source not in BUILTIN_SCORES:
-        raise ValueError(f"no built-in reward for data_source {data_source!r}; known: {sorted(BUILTIN_SCORES)}. "
+def rule_for(data_source):
+    """The built-in rule for data_source (aime* by prefix, as verl); None when there is none."""
+    if data_source in BUILTIN_SCORES:
+        return BUILTIN_SCORES[data_source]
+    return verl_rules.dapo if isinstance(data_source, str) and data_source.startswith("aime") else None
+
+
+def default_compute_score(data_source, solution_str, ground_truth, extra_info=None, sandbox_fusion_url=None,
+                          concurrent_semaphore=None, memory_limit_mb=None, **kwargs):
+    """verl's default_compute_score: the rule for data_source gives what verl's gives (a float, or DAPO's
+    {"score", "acc", "pred"} dict). An unknown data_source, or a null ground truth, is a ValueError (an error)."""
+    rule = rule_for(data_source)
+    if rule is None:
+        raise ValueError(f"no built-in reward for data_source {data_source!r}; known: {KNOWN}. "
                          f"Write a function compute_score(data_source, solution_str, ground_truth, extra_info=None) "
                          f"and set reward.function=path/to/file.py:name")
-    return BUILTIN_SCORES[data_source](solution_str, ground_truth)
+    if ground_truth is None:
+        raise ValueError(f"the row (data_source {data_source!r}) has no ground truth to compare with")
+    return rule(solution_str, ground_truth)
+
+
+def check_data_sources(sources, reward_cfg) -> None:
+    """At start-up: a ConfigError naming every data_source no rule scores. A custom reward.function handles every
+    source, reward.type=model needs none, the built-ins handle those in BUILTIN_SCORES and aime*."""
+    if reward_cfg.type == "model" or reward_cfg.function:
+        return
+    missing = sorted({s for s in sources if rule_for(s) is None}, key=str)
+    if missing:
+        named = ", ".join(repr(s) + (f" ({NOT_BUILT_IN[s]})" if s in NOT_BUILT_IN else "") for s in missing)
+        raise ConfigError(f"the data has data_source values with no built-in reward: {named}; score them with your "
+                          f"own compute_score(data_source, solution_str, ground_truth, extra_info=None) by setting "
+                          f"reward.function=path/to/file.py:compute_score (built in: {KNOWN})")
 
 
 def load_reward_function(spec):
@@ -132,7 +183,7 @@ def load_reward_function(spec):
     if not sep:
         path, name = spec, "compute_score"
     if not os.path.isfile(path):
-        raise ValueError(f"reward.function: file {path} does not exist (expected path/to/file.py:function_name)")
+        raise ConfigError(f"reward.function: file {path} does not exist (expected path/to/file.py:function_name)")
     module_name = "custom_reward_" + re.sub(r"\W", "_", os.path.splitext(os.path.abspath(path))[0])
     module_spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(module_spec)
@@ -140,25 +191,61 @@ def load_reward_function(spec):
     try:
         module_spec.loader.exec_module(module)
     except Exception as e:
-        raise ValueError(f"reward.function: importing {path} failed: {type(e).__name__}: {e}") from e
+        raise ConfigError(f"reward.function: importing {path} failed: {type(e).__name__}: {e}") from e
     fn = getattr(module, name, None)
     if not callable(fn):
         found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
-        raise ValueError(f"reward.function: {path} has no function `{name}`; callables found there: {found}")
+        raise ConfigError(f"reward.function: {path} has no function `{name}`; callables found there: {found}")
     return fn
 
 
+class RewardError(ConfigError):
+    """The reward function failed on every sample of a batch: training on would learn from zeros."""
+
+
 def as_score(result) -> tuple[float, dict]:
-    """(score, extra numbers) from a function's return: a number, or a dict that carries "score"."""
+    """(score, extra numbers) from a function's return: a finite number, or a dict whose "score" is one."""
+    if isinstance(result, BaseException):  # raised inside an async function, returned by asyncio.gather
+        raise result
+    extras = {}
     if isinstance(result, dict):
         if "score" not in result:
             raise ValueError(f"a reward dict must carry 'score', got keys {sorted(result)}")
-        extras = {k: float(v) for k, v in result.items()
-                  if k != "score" and isinstance(v, numbers.Real)}
-        return float(result["score"]), extras
+        extras = {k: float(v) for k, v in result.items() if k != "score" and isinstance(v, numbers.Real)}
+        result = result["score"]
     if isinstance(result, (str, bytes)) or result is None:
         raise TypeError(f"a reward function must return a number or a dict, got {result!r}")
-    return float(result), {}
+    score = float(result)
+    if not math.isfinite(score):
+        raise ValueError(f"the reward is {score}, not a finite number")
+    return score, extras
+
+
+def verl_extra_info(row: dict) -> dict:
+    """The row's extra_info plus the keys verl's reward loop adds before calling compute_score
+    (verl/experimental/reward_loop/reward_manager/naive.py): num_turns = 2 (a prompt and one response, as verl's
+    single-turn agent loop) and rollout_reward_scores = {} (no tool or rollout-time scores here)."""
+    return {**(row.get("extra_info") or {}), "num_turns": 2, "rollout_reward_scores": {}}
+
+
+def call_all(compute_score, calls: list[dict]) -> list:
+    """compute_score(**kwargs) for each call: its result, or the exception it raised. An `async def` function is
+    awaited for the whole batch at once (asyncio.gather), as verl's reward loop runs it."""
+    if not inspect.iscoroutinefunction(compute_score):
+        results = []
+        for kwargs in calls:
+            try:
+                results.append(compute_score(**kwargs))
+            except Exception as e:
+                results.append(e)
+        return results
+
+    async def one(kwargs):
+        return await compute_score(**kwargs)
+
+    async def batch():
+        return await asyncio.gather(*(one(kwargs) for kwargs in calls), return_exceptions=True)
+    return asyncio.run(batch())
 
 
 def score_responses(compute_score, rows: list[dict], responses: list[str]) -> tuple[list[float], dict, int]:
@@ -166,22 +253,27 @@ def score_responses(compute_score, rows: list[dict], responses: list[str]) -> tu
     by keyword as verl calls it, so a custom function's argument order does not matter.
 
     Returns (scores, extras, errors): extras holds each extra numeric dict key's values, for logging
-    as means. A call that raises or returns something unusable scores 0.0 and counts as an error,
-    so one bad sample never ends a run; the first failure of each call is shown as a warning.
+    as means. A call that raises or returns something unusable (None, a string, a dict without "score", NaN or
+    inf) scores 0.0 and counts as an error, shown as one warning with the first error; when every call fails,
+    RewardError stops the run with the first error, rather than train on zeros.
     """
     if len(rows) != len(responses):
         raise ValueError(f"score_responses got {len(rows)} rows but {len(responses)} responses")
+    calls = [dict(data_source=row["data_source"], solution_str=response, ground_truth=row["ground_truth"],
+                  extra_info=verl_extra_info(row)) for row, response in zip(rows, responses)]
     scores, extras, errors, first = [], {}, 0, None
-    for row, response in zip(rows, responses):
+    for result in call_all(compute_score, calls):
         try:
-            score, more = as_score(compute_score(data_source=row["data_source"], solution_str=response,
-                                                 ground_truth=row["ground_truth"], extra_info=row["extra_info"]))
+            score, more = as_score(result)
         except Exception as e:
             score, more, errors = 0.0, {}, errors + 1
             first = first or f"{type(e).__name__}: {e}"
         scores.append(score)
         for key, value in more.items():
             extras.setdefault(key, []).append(value)
+    if errors and errors == len(rows):
+        raise RewardError(f"the reward function failed on all {errors} samples of a batch, so training would "
+                          f"learn from zeros; the first error: {first}")
     if errors:
         warnings.warn(f"reward function failed on {errors}/{len(rows)} samples (scored 0.0); first: {first}")
     return scores, extras, errors
@@ -195,7 +287,6 @@ class Scorer:
         if cfg_reward.type in ("rule", "both"):
             self.rule_fn = load_reward_function(cfg_reward.function)
         if cfg_reward.type in ("model", "both"):
-            from config import ConfigError
             from reward_model import RewardModelScorer
             if not cfg_reward.model_path:
                 raise ConfigError(f"reward.type={cfg_reward.type} needs reward.model_path "
