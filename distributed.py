@@ -29,26 +29,30 @@ class FSDP:
     """The FSDP2 settings of an accelerate config file (the launcher passes them as FSDP_* variables)."""
     reshard_after_forward: bool  # free each gathered layer after its forward (ZeRO-3) or keep it (ZeRO-2)
     offload_params: bool  # sharded parameters, gradients and optimiser state live in host memory
-    mixed_precision: str  # "no" or "bf16": bf16 gathers and compute, fp32 master weights and gradient reduction
+    param_dtype: Optional[torch.dtype]  # bf16: gathers and compute in bf16, fp32 master weights and reduction
 
 
-def fsdp_from_launcher() -> Optional[FSDP]:
-    """FSDP settings when launched with an FSDP config (ACCELERATE_USE_FSDP=true), else None."""
+def fsdp_from_launcher(compute_dtype: Optional[torch.dtype] = None) -> Optional[FSDP]:
+    """FSDP settings when launched with an FSDP config (ACCELERATE_USE_FSDP=true), else None.
+    The compute dtype is the library's one key for it (model.dtype), not accelerate's mixed_precision."""
     env = os.environ.get
     if env("ACCELERATE_USE_FSDP", "false").lower() != "true":
         return None
     if env("FSDP_VERSION", "1") != "2":
         raise ConfigError("the accelerate config asks for FSDP version 1; this library shards with FSDP2: set "
                           "fsdp_version: 2 (see accelerate_configs/fsdp2.yaml)")
-    mixed = env("ACCELERATE_MIXED_PRECISION", "no")
-    if mixed not in ("no", "bf16"):
-        raise ConfigError(f"mixed_precision: {mixed} in the accelerate config; use bf16 or no")
-    for key in ("FSDP_ACTIVATION_CHECKPOINTING", "FSDP_CPU_RAM_EFFICIENT_LOADING"):
-        if env(key, "false").lower() == "true":
-            raise ConfigError(f"{key.lower()}: true in the accelerate config is not used here; remove it "
-                              "(activation checkpointing is model.gradient_checkpointing=true)")
+    if env("ACCELERATE_MIXED_PRECISION", "no") != "no":
+        raise ConfigError(f"mixed_precision: {env('ACCELERATE_MIXED_PRECISION')} in the accelerate config: set it "
+                          "to 'no' and choose the compute dtype with model.dtype (bf16, fp32, or auto)")
+    if env("FSDP_CPU_RAM_EFFICIENT_LOADING", "false").lower() == "true":  # accelerate's default when the key is absent
+        raise ConfigError("fsdp_cpu_ram_efficient_loading must be false in the accelerate config: every process "
+                          "loads the weights itself (with true, transformers leaves a new value head at 0 on all "
+                          "processes but the first)")
+    if env("FSDP_ACTIVATION_CHECKPOINTING", "false").lower() == "true":
+        raise ConfigError("fsdp_activation_checkpointing: true in the accelerate config: remove it and set "
+                          "model.gradient_checkpointing=true (one key, for actor and critic)")
     return FSDP(reshard_after_forward=env("FSDP_RESHARD_AFTER_FORWARD", "true").lower() == "true",
-                offload_params=env("FSDP_OFFLOAD_PARAMS", "false").lower() == "true", mixed_precision=mixed)
+                offload_params=env("FSDP_OFFLOAD_PARAMS", "false").lower() == "true", param_dtype=compute_dtype)
 
 
 def shard(model, fsdp: FSDP, device):
@@ -56,12 +60,14 @@ def shard(model, fsdp: FSDP, device):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard, MixedPrecisionPolicy
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under a PEFT wrapper
-    layer_classes = set(base._no_split_modules or [])
+    # decoder-layer classes: the config's fsdp_transformer_layer_cls_to_wrap, else transformers' _no_split_modules
+    named = os.environ.get("FSDP_TRANSFORMER_CLS_TO_WRAP")
+    layer_classes = set(named.split(",")) if named else {
+        name for m in model.modules() for name in getattr(m, "_no_split_modules", None) or []}
     kwargs = dict(mesh=init_device_mesh(device.type, (torch.distributed.get_world_size(),)),
                   reshard_after_forward=fsdp.reshard_after_forward)
-    if fsdp.mixed_precision == "bf16":
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if fsdp.param_dtype is not None:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=fsdp.param_dtype, reduce_dtype=torch.float32)
     if fsdp.offload_params:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     else:
@@ -69,7 +75,9 @@ def shard(model, fsdp: FSDP, device):
     for module in model.modules():
         if type(module).__name__ in layer_classes:
             fully_shard(module, **kwargs)
-    fully_shard(model, **kwargs)
+    # The root is the transformers model, inside a PEFT wrapper if any: PEFT's generate() and disable_adapter()
+    # call it directly, and only a call to the root gathers the weights outside the layers (embeddings, head).
+    fully_shard(model.get_base_model() if hasattr(model, "get_base_model") else model, **kwargs)
     return model
 
 
@@ -89,7 +97,7 @@ def describe(fsdp: Optional[FSDP], accelerator, names: list) -> str:
     if fsdp is not None:
         return (f"parallel: fsdp2 over {world} processes ({backend}); sharded: {', '.join(names)} "
                 f"(reshard_after_forward={fsdp.reshard_after_forward}, offload_params={fsdp.offload_params}, "
-                f"mixed_precision={fsdp.mixed_precision}); a reward model is replicated")
+                f"param_dtype={fsdp.param_dtype or torch.float32}); a reward model is replicated")
     if world > 1:
         return f"parallel: ddp over {world} processes ({backend}); replicated: {', '.join(names)}"
     return f"parallel: 1 process; {', '.join(names)} whole"
@@ -100,12 +108,12 @@ def gradient_sync(model, enabled: bool):
     """Accumulate gradients locally (enabled=False) until the last micro-batch, where they are averaged."""
     if enabled:
         yield
-    elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-        model.set_requires_gradient_sync(False)
+    elif root := next((m for m in model.modules() if hasattr(m, "set_requires_gradient_sync")), None):  # FSDP2
+        root.set_requires_gradient_sync(False)
         try:
             yield
         finally:
-            model.set_requires_gradient_sync(True)
+            root.set_requires_gradient_sync(True)
     else:  # DDP, or one process
         with model.no_sync() if hasattr(model, "no_sync") else nullcontext():
             yield
