@@ -178,7 +178,8 @@ class VLLMRollout:
                        dtype=self.dtype, seed=cfg.trainer.seed, enforce_eager=cfg.rollout.enforce_eager,
                        max_model_len=max_len, enable_prefix_caching=True, logprobs_mode="processed_logprobs",
                        enable_sleep_mode=self.sleeps, distributed_executor_backend=backend, **memory)
-        self.asleep = False
+        self.asleep = set()  # the parts of a sleeping engine: "weights", "kv_cache"
+        self.stale_prefix_cache = False
         self.sync_weights(model)
 
     @torch.no_grad()
@@ -186,7 +187,10 @@ class VLLMRollout:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        self.wake_up()
+        self.wake_up(["weights", "kv_cache"])
+        if self.stale_prefix_cache:  # cached prompt prefixes hold keys and values of the old weights
+            self.llm.reset_prefix_cache()
+            self.stale_prefix_cache = False
         cfg, greedy = self.cfg, temperature == 0
         # vLLM seeds sample j of a request with seed_i + j; drawing each prompt's seed_i from (`seed`, rank) makes
         # the same call return the same samples, and ranks draw different ones.
@@ -207,7 +211,7 @@ class VLLMRollout:
                 logprobs.append([sample.logprobs[t][tok].logprob for t, tok in enumerate(tokens)])
         if self.sleeps:
             self.llm.sleep(level=1)
-            self.asleep = True
+            self.asleep = {"weights", "kv_cache"}
         lengths = torch.tensor([len(r) for r in responses])
         responses = right_pad(responses, self.pad_id)  # (B·n, Tr)
         response_mask = (torch.arange(responses.shape[1])[None, :] < lengths[:, None]).long()  # (B·n, Tr)
@@ -216,16 +220,20 @@ class VLLMRollout:
 
     @torch.no_grad()
     def sync_weights(self, model) -> None:
-        """Copy the actor's current weights into the engine, and forget KV computed with the old ones."""
-        self.wake_up()
+        """Copy the actor's current weights into the engine, and forget KV computed with the old ones.
+        A sleeping engine wakes its weights only: its KV cache is allocated after the gathered copy of the
+        policy is gone (generate wakes it), as verl does, so the two never take device memory at once."""
+        self.wake_up(["weights"])
         weights = [(k, w.to(self.dtype)) for k, w in policy_weights(self.unwrap(model)).items()]
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-        self.llm.reset_prefix_cache()  # cached prompt prefixes hold keys and values of the old weights
+        del weights
+        self.stale_prefix_cache = True
 
-    def wake_up(self) -> None:
-        if self.asleep:
-            self.llm.wake_up()
-            self.asleep = False
+    def wake_up(self, tags: list) -> None:
+        """Wake those of `tags` ("weights", "kv_cache") that sleep."""
+        if todo := [tag for tag in tags if tag in self.asleep]:
+            self.llm.wake_up(tags=todo)
+            self.asleep -= set(todo)
 
 
 def make_rollout(cfg, model, tokenizer, accelerator, autocast_dtype=None, synced_forwards: bool = False):

@@ -246,6 +246,42 @@ def test_rollout_rows_order_eos_and_masks(engine, hello_model, random_model, tok
             assert torch.equal(row[:len(alone)], alone) and (row[len(alone):] == tokenizer.pad_token_id).all()
 
 
+# ---- sleep mode (GPU only in vLLM; the order of the calls is checked with a stand-in engine)
+
+
+class RecordingEngine:
+    """Records the calls a VLLMRollout makes to its engine, and returns one EOS-only sample per request."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        def call(*args, **kwargs):
+            self.calls.append((name, kwargs.get("tags")) if name == "wake_up" else name)
+            if name == "generate":
+                sample = type("Sample", (), dict(index=0, token_ids=[0], logprobs=[{0: type("L", (), {"logprob": -1.0})}]))
+                return [type("Out", (), {"outputs": [sample]}) for _ in args[0]]
+        return call
+
+
+@vllm_test  # generate() builds vLLM's SamplingParams
+def test_a_sleeping_engine_wakes_weights_then_syncs_then_wakes_its_kv_cache(random_model):
+    """With rollout.free_cache_engine the engine sleeps after each rollout. A sync wakes only its weights; the KV
+    cache wakes when the next rollout starts, after the gathered weights are gone (verl's order), and the prefix
+    cache computed with the old weights is reset before that rollout."""
+    from rollout import VLLMRollout
+
+    rollout = VLLMRollout.__new__(VLLMRollout)  # the engine's own start-up is not under test
+    rollout.cfg, rollout.unwrap, rollout.sleeps, rollout.rank = make_config("unused").rollout, (lambda m: m), True, 0
+    rollout.pad_id, rollout.eos_ids, rollout.dtype, rollout.llm = 0, {0}, torch.float32, RecordingEngine()
+    rollout.asleep, rollout.stale_prefix_cache = {"weights", "kv_cache"}, False
+    rollout.sync_weights(random_model)
+    rollout.generate([[1, 2, 3]], n=1, temperature=1.0, seed=0)
+    assert rollout.llm.calls == [("wake_up", ["weights"]), "collective_rpc", ("wake_up", ["kv_cache"]),
+                                 "reset_prefix_cache", "generate", "sleep"]
+    assert rollout.asleep == {"weights", "kv_cache"}
+
+
 # ---- fallback
 
 
