@@ -32,7 +32,7 @@ def test_dotted_overrides_are_parsed_and_typed():
 
 @pytest.mark.parametrize("override, message", [
     ("trainer.total_step=3", "unknown config key `trainer.total_step`; did you mean `trainer.total_steps`?"),
-    ("algorithm.adv_estimator=ppo", "`algorithm.adv_estimator` must be one of ['gae', 'grpo', 'rloo'], got 'ppo'"),
+    ("algorithm.adv_estimator=ppo", "`algorithm.adv_estimator` must be one of ['gae', 'grpo', 'rloo'"),
     ("trainer.total_steps=1.5", "`trainer.total_steps` must be an integer"),
     ("data.shuffle=maybe", "`data.shuffle` must be true or false"),
     ("actor.optim=3", "config section `actor.optim` must be a mapping"),
@@ -55,3 +55,78 @@ def test_help_lists_every_key():
     out = subprocess.run([sys.executable, "ppo.py", "--help"], cwd=REPO, capture_output=True, text=True, check=True)
     assert f"trainer.total_steps ({config.Config().trainer.total_steps}) — PPO steps" in out.stdout
     assert all(key in out.stdout for key in config.all_keys(config.Config))
+
+
+# ---- value ranges, malformed files, and what may change on resume (issue 12)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("actor.optim.lr=-1e-6", "`actor.optim.lr` must be in (0, inf), got -1e-06"),
+    ("actor.optim.lr=nan", "`actor.optim.lr` must be in (0, inf), got nan"),
+    ("rollout.temperature=-1", "`rollout.temperature` must be in [0, inf), got -1.0"),
+    ("data.train_batch_size=0", "`data.train_batch_size` must be in [1, inf), got 0"),
+    ("actor.ppo_micro_batch_size_per_device=-2", "`actor.ppo_micro_batch_size_per_device` must be in [1, inf)"),
+    ("rollout.n=0", "`rollout.n` must be in [1, inf), got 0"),
+    ("rollout.max_response_length=0", "`rollout.max_response_length` must be in [1, inf)"),
+    ("model.lora_rank=-8", "`model.lora_rank` must be in [0, inf), got -8"),
+    ("rollout.top_p=0", "`rollout.top_p` must be in (0, 1], got 0.0"),
+    ("rollout.top_p=1.5", "`rollout.top_p` must be in (0, 1], got 1.5"),
+    ("trainer.total_steps=0", "`trainer.total_steps` must be in [1, inf), got 0"),
+    ("actor.optim.betas=[0.9, 1.0]", "`actor.optim.betas` must be in [0, 1), got 1.0"),
+    ("reward_model.batch_size=-16", "`reward_model.batch_size` must be in [1, inf)"),
+])
+def test_numbers_out_of_range_name_the_key_and_the_range(override, message):
+    """Every number is checked against its interval when the config is loaded: the sentence names the key,
+    the interval and the value."""
+    with pytest.raises(config.ConfigError) as e:
+        config.load_config(f"{REPO}/configs.yaml", [override])
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_every_range_names_a_numeric_field_and_the_defaults_pass():
+    """RANGES names only numeric fields (a typo would silently check nothing), and the defaults are in range."""
+    numeric = {key.rsplit(".", 1)[-1] for key, value in config.flatten(config.to_dict(config.Config())).items()
+               if isinstance(value, (int, float, list)) and not isinstance(value, bool)} | {"clip"}
+    assert set(config.RANGE_OF) <= numeric, set(config.RANGE_OF) - numeric
+    config.check_ranges(config.Config())
+    assert config.load_config(None, ["reward.overlong_penalty=-1", "rollout.top_k=-1", "reward.clip=null"])
+
+
+@pytest.mark.parametrize("text, message", [
+    ("- model\n- data\n", "must hold a mapping of sections (model:, data:, …), got ['model', 'data']"),
+    ("3\n", "must hold a mapping of sections (model:, data:, …), got 3"),
+    ("model: 3\n", "config section `model` must be a mapping, got 3"),
+    ("model: 0\n", "config section `model` must be a mapping, got 0"),
+    ("model: [a]\n", "config section `model` must be a mapping, got ['a']"),
+])
+def test_a_yaml_file_that_is_not_a_mapping_of_sections(tmp_path, text, message):
+    """A top level that is not a mapping, or a scalar where a section belongs, fails naming it (a falsy
+    scalar such as 0 too: it used to read as an empty section)."""
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(config.ConfigError) as e:
+        config.load_config(str(path))
+    assert message in str(e.value)
+
+
+def test_an_override_into_a_scalar_section_and_a_folder_as_config(tmp_path):
+    """`model.path=x` on top of `model: 3` fails rather than replacing the scalar; a folder as --config says so."""
+    (tmp_path / "c.yaml").write_text("model: 3\n")
+    with pytest.raises(config.ConfigError, match="config section `model` must be a mapping, got 3"):
+        config.load_config(str(tmp_path / "c.yaml"), ["model.path=x"])
+    with pytest.raises(config.ConfigError, match="cannot be read: Is a directory"):
+        config.load_config(str(tmp_path))
+
+
+def test_resume_changes_list_free_keys_and_refuse_fixed_ones(tmp_path):
+    """Against the saved config.yaml: lr and total_steps may change and are listed "key old → new"; a LoRA rank
+    may not (one sentence); reward_model.* keys do not concern PPO's resume, and PPO's keys not reward_model.py's."""
+    saved = tmp_path / "config.yaml"
+    config.save(config.load_config(None, ["actor.optim.lr=1e-3"]), str(saved))
+    now = config.load_config(None, ["actor.optim.lr=5e-4", "trainer.total_steps=90", "reward_model.lora_rank=4"])
+    assert config.resume_changes(now, str(saved), "trainer") == ["actor.optim.lr 0.001 → 0.0005",
+                                                                 "trainer.total_steps 60 → 90"]
+    with pytest.raises(config.ConfigError, match=r"`reward_model.lora_rank` cannot change on resume \(it was 16"):
+        config.resume_changes(now, str(saved), "reward_model")
+    with pytest.raises(config.ConfigError, match="`model.lora_rank` cannot change on resume"):
+        config.resume_changes(config.load_config(None, ["model.lora_rank=8"]), str(saved), "trainer")

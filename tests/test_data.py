@@ -306,3 +306,54 @@ def test_cli_output_must_be_a_folder(tmp_path):
     """--output names a folder; a .parquet path is refused with the reason."""
     proc = run_cli("--task", "arithmetic", "--output", str(tmp_path / "train.parquet"))
     assert proc.returncode != 0 and "--output is a folder" in proc.stderr
+
+
+# ---- inputs that must fail in one sentence naming the file and row (issue 12)
+
+
+def write_invalid_utf8(path):
+    """A parquet whose string column `prompt` holds the bytes ff fe, which are not UTF-8 (arrow writes them as given)."""
+    offsets = pa.py_buffer(b"\x00\x00\x00\x00\x02\x00\x00\x00\x04\x00\x00\x00")  # rows "hi" and ff fe
+    pq.write_table(pa.table({"prompt": pa.Array.from_buffers(pa.string(), 2, [None, offsets, pa.py_buffer(b"hi\xff\xfe")])}),
+                   str(path))
+    return str(path)
+
+
+def test_a_directory_given_as_a_data_file_is_named_as_one(tmp_path):
+    """A folder where a parquet file belongs says "is a directory" (not "does not exist") and names the file to give."""
+    with pytest.raises(data.DataError, match=rf"data file {tmp_path} is a directory; name the parquet file inside it"):
+        data.load_rl_dataset(str(tmp_path), tiny_tokenizer(), 64, "error")
+    with pytest.raises(data.DataError, match="is a directory"):
+        data.load_preferences(str(tmp_path))
+
+
+def test_invalid_utf8_in_a_string_column(tmp_path):
+    """Text that is not UTF-8 fails naming the file (and arrow's column/position), not as a UnicodeDecodeError."""
+    path = write_invalid_utf8(tmp_path / "bad.parquet")
+    with pytest.raises(data.DataError, match=r"bad.parquet holds text that is not valid UTF-8 \(.*\); re-encode it"):
+        data.load_rl_dataset(path, tiny_tokenizer(), 64, "error")
+
+
+def test_a_prompt_of_zero_tokens_names_its_row(tmp_path):
+    """Without a chat template or BOS an empty prompt is 0 tokens, which nothing can be generated from."""
+    tok = tiny_tokenizer(chat_template=None)
+    tok._tokenizer.post_processor = None  # no <s> either
+    path = write(tmp_path, "d.parquet", [{"prompt": "hello"}, {"prompt": ""}])
+    with pytest.raises(data.DataError, match=r"d.parquet row 1: the prompt is 0 tokens once rendered"):
+        data.load_rl_dataset(path, tok, 64, "error")
+
+
+@pytest.mark.parametrize("row, message", [
+    ({"prompt": "q", "chosen": "", "rejected": "4"}, "row 1: `chosen` and `rejected` must not be empty"),
+    ({"prompt": "q", "chosen": "3", "rejected": "  "}, "row 1: `chosen` and `rejected` must not be empty"),
+    ({"prompt": "q", "chosen": "3", "rejected": "4", "margin": "high"}, "row 1: `margin` must be a finite number or null"),
+    ({"prompt": "q", "chosen": "3", "rejected": "4", "margin": float("inf")}, "`margin` must be a finite number or null, got inf"),
+    ({"prompt": "q", "chosen": "3", "rejected": "4", "margin": float("nan")}, "`margin` must be a finite number or null, got nan"),
+])
+def test_bad_preference_pairs_name_their_row(tmp_path, row, message):
+    """An empty chosen/rejected teaches nothing; a margin that is text, inf or NaN would make the loss non-finite."""
+    first = {"prompt": "q", "chosen": "3", "rejected": "4", **({"margin": None} if "margin" in row else {})}
+    path = write(tmp_path, "p.parquet", [first, row])
+    with pytest.raises(data.DataError) as e:
+        data.load_preferences(path)
+    assert message in str(e.value) and "p.parquet" in str(e.value)
