@@ -311,6 +311,22 @@ def test_resuming_an_older_checkpoint_starts_a_branch_with_the_new_lr(workdir, t
     assert os.stat(out / "final" / "adapter_model.safetensors").st_mtime_ns == before
 
 
+def test_a_fresh_start_moves_the_checkpoints_of_an_earlier_run_aside(workdir, tmp_path):
+    """trainer.resume=off in a folder holding another run's step_5 and final/: they and its metrics move to
+    abandoned/from_step_0_<time>/, so a later resume=auto cannot jump into that other history."""
+    out = tmp_path / "out"
+    write(out / "step_5" / "state.json", "{}")
+    write(out / "final" / "config.json", "{}")
+    write(out / "metrics.jsonl", '{"step": 4}\n{"step": 5}\n')
+    run_ppo(workdir, out, "trainer.resume=off", "trainer.total_steps=1", "trainer.sample_freq=0")
+    [aside] = os.listdir(out / "abandoned")
+    assert aside.startswith("from_step_0_")
+    assert sorted(os.listdir(out / "abandoned" / aside)) == ["final", "metrics.jsonl", "step_5"]
+    assert [line["step"] for line in read_metrics(out / "abandoned" / aside)] == [4, 5]
+    assert [line["step"] for line in read_metrics(out)] == [0, 1]
+    assert sorted(p for p in os.listdir(out) if p.startswith("step_")) == ["step_1"]
+
+
 def test_metrics_past_the_checkpoint_and_a_cut_off_line_are_dropped(tmp_path):
     """drop_metrics_after keeps the lines up to the step, moves later ones aside when asked, and skips a line
     that a kill cut short (it would otherwise stop the resume with a JSON error)."""
