@@ -1,10 +1,12 @@
 #!/bin/bash
 # GPU checks in one go, at most ~8 minutes on one H200:
-#   1. ppo.py under FSDP2 on 1 GPU (accelerate_configs/fsdp2.yaml), HF rollout (vLLM not needed): GAE with a
-#      critic and KL in the reward, a sharded checkpoint and a resume from it, then GRPO with LoRA;
-#   2. the packing parity test on CUDA (tests/test_packing.py, where it exists);
-#   3. bench/ppo_bench.py at a Qwen2-0.5B-like size built from config (random weights), bf16,
-#      padded and packed (--vary-lengths --layout padded packed).
+#   1. ppo.py under FSDP2 on 1 GPU (accelerate_configs/fsdp2.yaml), HF rollout: GAE with a critic and a
+#      reference (full fine-tune, KL in the reward), a sharded checkpoint and an exact resume from it;
+#   2. GRPO + LoRA + a vLLM engine that sleeps between rollouts (rollout.free_cache_engine: weights woken and
+#      synced before the KV cache), under FSDP2, with the sampler/trainer logprob gap;
+#   3. the packing parity test on CUDA (tests/test_packing.py);
+#   4. bench/ppo_bench.py at a Qwen2-0.5B-like size built from config (random weights), bf16, vLLM rollouts,
+#      then padded vs packed with HF rollouts.
 # Figures and pass/fail per stage go to $OUT/gpu_check.txt when $OUT is set, else bench/gpu_check.txt.
 #
 #   make install && bash bench/gpu_check.sh          # on a GPU machine, from the repository root
@@ -52,7 +54,7 @@ if ! "$PY" -c "import torch, transformers, accelerate, peft, pyarrow, yaml, tqdm
   exit 1
 fi
 say "python: $("$PY" -c 'import sys, torch, transformers, accelerate; print(sys.version.split()[0], "torch", torch.__version__, "transformers", transformers.__version__, "accelerate", accelerate.__version__)')"
-say "vllm: $("$PY" -c 'import vllm; print(vllm.__version__)' 2>/dev/null || echo absent) (not used: rollout.name=hf throughout)"
+say "vllm: $("$PY" -c 'import vllm; print(vllm.__version__)' 2>/dev/null || echo absent)"
 
 # ---- 1. FSDP2 on one GPU, on the tiny model of bench/ppo_bench.py's default preset
 TINY=$WORK/tiny
@@ -79,12 +81,19 @@ import json
 def step3(p):
     return [json.loads(l) for l in open(p) if json.loads(l)['step'] == 3][0]
 a, b = step3('$WORK/gae/metrics.jsonl'), step3('$WORK/resumed/metrics.jsonl')
-keys = ['score/mean', 'loss/value', 'kl/mean', 'policy/entropy']
+keys = ['score/mean', 'loss/value', 'loss/policy', 'kl/mean', 'policy/entropy', 'value/mean']
 print({k: (a[k], b[k]) for k in keys})
 assert all(abs(a[k] - b[k]) <= 1e-3 * max(1.0, abs(a[k])) for k in keys), 'resumed run differs'"
-stage "fsdp2 grpo with LoRA, 2 steps" 120 "$WORK/fsdp_lora.log" \
-  "${LAUNCH[@]}" "${TINY_ARGS[@]}" algorithm.adv_estimator=grpo model.lora_rank=8 trainer.total_steps=2 \
-  trainer.save_freq=0 trainer.output_dir=$WORK/lora
+
+# ---- 2. GRPO + LoRA + vLLM with sleep/wake, under FSDP2
+stage "fsdp2 grpo LoRA with a sleeping vLLM engine, 3 steps" 200 "$WORK/fsdp_lora.log" \
+  "${LAUNCH[@]}" "${TINY_ARGS[@]}" algorithm.adv_estimator=grpo model.lora_rank=8 trainer.total_steps=3 \
+  trainer.save_freq=0 trainer.output_dir=$WORK/lora rollout.name=vllm rollout.free_cache_engine=true \
+  rollout.gpu_memory_utilization=0.3 rollout.dtype=bf16
+[ -f "$WORK/lora/metrics.jsonl" ] && say "  vllm gap: $("$PY" -c "
+import json
+lines = [json.loads(l) for l in open('$WORK/lora/metrics.jsonl') if json.loads(l)['step'] > 0]
+print(' '.join(f\"step {m['step']}: logprob_diff_mean {m.get('rollout/logprob_diff_mean', float('nan')):.2e} max {m.get('rollout/logprob_diff_max', float('nan')):.2e} sync {m.get('time/sync_s', 0):.2f} s\" for m in lines))")"
 for run in gae lora; do
   [ -f "$WORK/$run/metrics.jsonl" ] && say "  fsdp2 $run: $("$PY" -c "
 import json
@@ -92,7 +101,7 @@ lines = [json.loads(l) for l in open('$WORK/$run/metrics.jsonl') if json.loads(l
 print(' '.join(f\"step {m['step']}: {m['time/step_s']:.3f} s, score {m['score/mean']:.3f}\" for m in lines))")"
 done
 
-# ---- 2. packing parity on CUDA
+# ---- 3. packing parity on CUDA
 if [ -f tests/test_packing.py ]; then
   stage "pytest tests/test_packing.py (CUDA)" 120 "$WORK/pytest_packing.log" "$PY" -m pytest -q tests/test_packing.py
   say "  $(tail -n 1 "$WORK/pytest_packing.log")"
@@ -100,11 +109,12 @@ else
   say "SKIP tests/test_packing.py (not in this checkout)"
 fi
 
-# ---- 3. the benchmark at a Qwen2-0.5B-like size (hidden 896, 24 layers, 14 heads, 2 KV heads, vocab 32000)
+# ---- 4. the benchmark at a Qwen2-0.5B-like size (hidden 896, 24 layers, 14 heads, 2 KV heads, vocab 32000)
 BENCH=("$PY" bench/ppo_bench.py --hidden 896 --layers 24 --heads 14 --kv-heads 2 --vocab 32000
        --intermediate 4864 --dtype bf16 --sequences 32 --response-length 128 --steps 6 --workdir "$WORK/bench")
-stage "ppo_bench 0.5B-like, fixed length 128, 32 seqs/step" 200 "$WORK/bench_fixed.log" "${BENCH[@]}"
-grep -E "^(phases|PPO )" "$WORK/bench_fixed.log" | sed 's/^/  /' | tee -a "$REPORT"
+stage "ppo_bench 0.5B-like, vLLM rollouts, fixed length 128, 32 seqs/step" 200 "$WORK/bench_vllm.log" \
+  "${BENCH[@]}" --rollout vllm
+grep -E "^(phases|PPO )" "$WORK/bench_vllm.log" | sed 's/^/  /' | tee -a "$REPORT"
 stage "ppo_bench 0.5B-like, lengths U[8,128], padded vs packed" 200 "$WORK/bench_packing.log" \
   "${BENCH[@]}" --vary-lengths --layout padded packed
 grep -E "^(phases|PPO )" "$WORK/bench_packing.log" | sed 's/^/  /' | tee -a "$REPORT"
