@@ -3,7 +3,7 @@
     accelerate launch ppo.py --config configs.yaml                          # the demo, CPU or GPU
     accelerate launch ppo.py --config configs.yaml trainer.total_steps=20 algorithm.adv_estimator=gae
     accelerate launch --num_processes 2 ppo.py --config configs.yaml        # 2 processes (DDP; gloo on CPU)
-    accelerate launch --config_file accelerate_configs/fsdp2.yaml ppo.py --config configs.yaml  # FSDP2
+    accelerate launch --config_file accelerate_configs/fsdp2.yaml --num_processes 2 ppo.py --config configs.yaml  # FSDP2
     python ppo.py --help                                                    # every config key
 
 Each step: 1. sample prompts, 2. generate, 3. score, 4. old/ref logprobs and values,
@@ -46,7 +46,7 @@ from critic import explained_variance, gae, load_critic, value_loss
 from distributed import (clip_grad_norm, describe, distribute, fsdp_from_launcher, full_state_dict, gradient_sync,
                          load_training_state, save_training_state)
 from kl import KLController, kl_estimate, kl_penalty_rewards
-from rewards import check_data_sources, load_reward_function, Scorer
+from rewards import check_data_sources, load_reward_function, rule_for, Scorer, score_responses
 from rollout import HFRollout, left_pad, make_rollout
 from utils import (autocast_dtype, check_loggers, check_model_path, console_line, exact_div, load_policy,
                    load_reference, load_tokenizer, make_optimizer, MetricsLogger, plot_curves, reduce_metrics,
@@ -266,7 +266,8 @@ def decode_responses(tokenizer, responses, response_mask) -> list[str]:
 
 @torch.no_grad()
 def validate(cfg, rollout, tokenizer, scorer, val_rows, accelerator):
-    """Generate once per validation prompt (greedy by default); mean score overall and per data_source."""
+    """Generate once per validation prompt (greedy by default); mean score overall and per data_source, and
+    when a reward model scores, the task's rule on the same answers (rows with a ground truth and a rule)."""
     mine = val_rows[accelerator.process_index::accelerator.num_processes]
     ro = rollout.generate([r["prompt_ids"] for r in mine], n=1, temperature=cfg.rollout.val_temperature)
     texts = decode_responses(tokenizer, ro.responses, ro.response_mask)
@@ -278,6 +279,15 @@ def validate(cfg, rollout, tokenizer, scorer, val_rows, accelerator):
     sums = accelerator.reduce(sums.to(accelerator.device), "sum").cpu()
     metrics = {"val/score/mean": (sums[:, 0].sum() / sums[:, 1].sum()).item()}
     metrics.update({f"val/{src}/score": (s / max(c, 1)).item() for src, (s, c) in zip(sources, sums)})
+    if scorer.model is not None:  # the task's rule on the same answers: does what the reward model likes score?
+        ruled = [(row, text) for row, text in zip(mine, texts)
+                 if row["ground_truth"] is not None and (cfg.reward.function or rule_for(row["data_source"]))]
+        rule_scores, _, _ = score_responses(scorer.rule_fn or load_reward_function(cfg.reward.function),
+                                            [row for row, _ in ruled], [text for _, text in ruled])
+        total = accelerator.reduce(torch.tensor([sum(rule_scores), len(rule_scores)], device=accelerator.device),
+                                   "sum").tolist()
+        if total[1]:
+            metrics["val/rule_score/mean"] = total[0] / total[1]
     return metrics
 
 
@@ -305,7 +315,8 @@ def check_sizes(cfg, world: int, num_rows: int) -> dict:
 def check_inputs(cfg) -> None:
     """The models and the reward function this run will load, checked before anything loads."""
     check_model_path(cfg.model.path, "model.path")
-    check_model_path(cfg.model.tokenizer_path or cfg.model.path, "model.tokenizer_path", need="tokenizer")
+    check_model_path(cfg.model.tokenizer_path or cfg.model.path,
+                     "model.tokenizer_path" if cfg.model.tokenizer_path else "model.path", need="tokenizer")
     if cfg.algorithm.adv_estimator == "gae":
         check_model_path(cfg.critic.model_path or cfg.model.path, "critic.model_path")
     if cfg.reward.type in ("model", "both"):
@@ -322,7 +333,6 @@ def check_inputs(cfg) -> None:
 
 def main(cfg: config.Config):
     accelerator = Accelerator(cpu=not torch.cuda.is_available())  # on a CPU, launched processes join over gloo
-    fsdp = fsdp_from_launcher()  # FSDP2 settings of an accelerate config file, or None
     print0 = functools.partial(accelerator.print, flush=True)  # rank 0 only; flushed even into a pipe
     # before anything loads: output_dir is this run's alone, a checkpoint fits this config, the inputs exist
     lock, _, finished = start_run(accelerator, cfg, "trainer")  # the lock is held until the process ends
@@ -333,6 +343,7 @@ def main(cfg: config.Config):
     set_seed(cfg.trainer.seed)
     t, alg, device = cfg.trainer, cfg.algorithm, accelerator.device
     dtype = autocast_dtype(cfg.model.dtype)
+    fsdp = fsdp_from_launcher(dtype)  # FSDP2 settings of an accelerate config file, or None
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
 
     # ---- data: prompts tokenised once, sizes checked before any model is loaded
@@ -560,7 +571,8 @@ def main(cfg: config.Config):
         logger.log(metrics, step)
         bar.set_postfix(score=f"{metrics['score/mean']:.3f}", kl=f"{metrics.get('kl/mean', 0):.4f}")
         keys = ["score/mean", "reward/mean", "kl/mean", "policy/entropy", "policy/clipfrac", "loss/policy",
-                "loss/value", "value/explained_var", "response/length_mean", "val/score/mean", "time/step_s"]
+                "loss/value", "value/explained_var", "response/length_mean", "val/score/mean", "val/rule_score/mean",
+                "time/step_s"]
         print0(f"step {step}  " + console_line(metrics, keys))
         if t.sample_freq and step % t.sample_freq == 0:
             shown = list(range(0, B, max(1, B // t.num_samples_to_show)))[:t.num_samples_to_show]
