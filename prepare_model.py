@@ -8,7 +8,6 @@ we re-save the weights as a plain safetensors folder that both transformers and 
 import argparse
 import importlib.util
 import os
-import shutil
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_OUTPUT = "models/SmolLM2-135M-Instruct"
@@ -29,6 +28,8 @@ def prepare_smollm2(output: str = DEFAULT_OUTPUT) -> str:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from utils import save_pretrained_atomic
+
     gguf = find_gguf()
     folder, name = os.path.split(gguf)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
@@ -40,12 +41,7 @@ def prepare_smollm2(output: str = DEFAULT_OUTPUT) -> str:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(dequantised.state_dict())
     model.generation_config = dequantised.generation_config
-
-    tmp = output + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    os.replace(tmp, output)  # written under a temporary name, then renamed: never half a model
+    save_pretrained_atomic(model, tokenizer, output)  # under a temporary name, then renamed: never half a model
     return output
 
 
