@@ -21,7 +21,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 '''
 NAN_REWARD_FILE = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    return float("nan")
+    return 3e38  # finite, so not a reward error, but its square overflows float32: the losses become NaN
 '''
 REQUIRED = ["step", "score/mean", "reward/mean", "kl/mean", "kl/coef", "policy/entropy", "policy/clipfrac",
             "policy/approx_kl", "loss/policy", "response/length_mean", "time/step_s", "perf/tokens_per_s"]
@@ -140,8 +140,9 @@ def test_resume_gives_the_same_metrics_as_an_uninterrupted_run(workdir, tmp_path
 
 
 def test_non_finite_loss_skips_the_step(workdir, tmp_path):
-    """A NaN score makes every loss NaN: each update is skipped and counted, and the saved adapter is
-    still the untouched initial one (LoRA B = 0)."""
+    """A score that overflows float32 arithmetic makes every loss NaN: each update is skipped and counted,
+    and the saved adapter is still the untouched initial one (LoRA B = 0). (A NaN score itself is a reward
+    error, tests/test_rewards.py.)"""
     out = tmp_path / "nan"
     run_ppo(workdir, out, f"reward.function={workdir}/nan_reward.py:compute_score", "trainer.total_steps=2",
             "trainer.val_before_train=false", "trainer.test_freq=0")
@@ -202,3 +203,106 @@ def test_vllm_rollout_run_logs_the_sampler_gap(workdir, tmp_path):
     for line in steps:
         assert line["rollout/logprob_diff_mean"] < 1e-3 and line["rollout/is_weight_mean"] == pytest.approx(1, abs=1e-2)
     assert (out / "step_2").is_dir() and (out / "final" / "adapter_model.safetensors").exists()
+
+
+# ---- issue 11: REINFORCE++, critic warm-up, the entropy guard, reward.type=both / model
+
+
+def make_tiny_reward_model(path):
+    """A random 2-layer sequence classifier with the tests' tokenizer, saved as reward_model.py's final/ is."""
+    from transformers import AutoModelForSequenceClassification, LlamaConfig
+    from conftest import make_tokenizer
+    tok = make_tokenizer()
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, num_labels=1, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def lora_b_weights(out):
+    from safetensors.torch import load_file
+    weights = load_file(str(out / "final" / "adapter_model.safetensors"))
+    return [v for k, v in weights.items() if "lora_B" in k]
+
+
+QUIET = ["trainer.val_before_train=false", "trainer.test_freq=0", "trainer.sample_freq=0", "trainer.plot_curves=false"]
+
+
+def test_reinforce_plus_plus_run(workdir, tmp_path):
+    """algorithm.adv_estimator=reinforce_plus_plus with the KL in the reward, as OpenRLHF runs it, on 2 processes
+    (the whitening statistics are summed over both): no critic is built, the KL penalty is 0 at step 1
+    (policy = reference) and not after the first update, and the actor trains (its LoRA B matrices leave 0)."""
+    out = tmp_path / "rpp"
+    run_ppo(workdir, out, "algorithm.adv_estimator=reinforce_plus_plus", "algorithm.use_kl_in_reward=true",
+            "algorithm.use_kl_loss=false", "algorithm.kl_ctrl.kl_coef=0.01", "algorithm.gamma=0.99",
+            "trainer.total_steps=2", *QUIET, nproc=2)
+    steps = [line for line in read_metrics(out) if line["step"] > 0]
+    assert [line["step"] for line in steps] == [1, 2]
+    for line in steps:
+        assert all(k in line for k in REQUIRED) and "actor/grad_norm" in line
+        assert "loss/value" not in line and "critic/grad_norm" not in line
+    assert steps[0]["kl/mean"] == 0 and steps[1]["kl/mean"] != 0
+    assert any(torch.any(b != 0) for b in lora_b_weights(out))
+
+
+def test_critic_warmup_holds_the_actor_and_its_schedule(workdir, tmp_path):
+    """critic.warmup_steps=1: step 1 trains only the critic (no actor gradient, no policy loss); the policy that
+    samples step 2 is still the reference (kl/mean exactly 0); the actor's cosine schedule starts when the actor
+    does (actor/lr 1e-3 at steps 1 and 2, then 1e-3·(0.1 + 0.9·½(1 + cos π/3)) = 7.75e-4 at step 3)."""
+    out = tmp_path / "warmup"
+    run_ppo(workdir, out, "algorithm.adv_estimator=gae", "critic.warmup_steps=1", "trainer.total_steps=3",
+            "actor.optim.lr_scheduler=cosine", "actor.optim.warmup_ratio=0", "actor.optim.min_lr_ratio=0.1", *QUIET)
+    steps = [line for line in read_metrics(out) if line["step"] > 0]
+    assert "critic/grad_norm" in steps[0] and "loss/value" in steps[0]
+    assert "actor/grad_norm" not in steps[0] and "loss/policy" not in steps[0]
+    assert all("actor/grad_norm" in line for line in steps[1:])
+    assert steps[1]["kl/mean"] == 0 and steps[2]["kl/mean"] != 0
+    assert [line["actor/lr"] for line in steps] == pytest.approx([1e-3, 1e-3, 7.75e-4])
+
+
+@pytest.mark.parametrize("action", ["warn", "stop"])
+def test_min_entropy_guard(workdir, tmp_path, action):
+    """trainer.min_entropy above any entropy the policy has: `warn` prints a warning every step and runs on;
+    `stop` validates, saves a checkpoint and stops after step 1, saying why."""
+    out = tmp_path / action
+    proc = run_ppo(workdir, out, "trainer.min_entropy=100", f"trainer.min_entropy_action={action}",
+                   "trainer.total_steps=2", "trainer.val_before_train=false", "trainer.test_freq=5",
+                   "trainer.save_freq=0", "trainer.sample_freq=0", "trainer.plot_curves=false")
+    steps = [line for line in read_metrics(out) if line["step"] > 0]
+    if action == "warn":
+        assert [line["step"] for line in steps] == [1, 2]
+        assert proc.stdout.count("warning: policy/entropy") == 2
+    else:
+        assert [line["step"] for line in steps] == [1] and "val/score/mean" in steps[0]
+        assert "stopping at step 1: policy/entropy" in proc.stdout and "< trainer.min_entropy 100" in proc.stdout
+        assert (out / "step_1").is_dir()
+
+
+def test_reward_both_is_the_weighted_sum(workdir, tmp_path):
+    """reward.type=both: each score is rule_weight·rule + model_weight·model, so the batch means satisfy
+    score/mean = 1·(reward/digits / 8) + 0.5·reward/model_score_mean (the rule is digits/8)."""
+    out = tmp_path / "both"
+    rm = make_tiny_reward_model(tmp_path / "rm")
+    run_ppo(workdir, out, "reward.type=both", f"reward.model_path={rm}", "reward.rule_weight=1.0",
+            "reward.model_weight=0.5", "trainer.total_steps=1", *QUIET)
+    (line,) = [m for m in read_metrics(out) if m["step"] > 0]
+    assert line["reward/model_score_mean"] != 0
+    assert line["score/mean"] == pytest.approx(line["reward/digits"] / 8 + 0.5 * line["reward/model_score_mean"],
+                                               abs=1e-5)
+
+
+def test_reward_model_run_logs_the_rule_score_of_its_answers(workdir, tmp_path):
+    """reward.type=model: validation also logs val/rule_score/mean, the task's rule on the same greedy answers;
+    before training it equals val/score/mean of a rule-scored run from the same start (same answers, same rule)."""
+    rm = make_tiny_reward_model(tmp_path / "rm")
+    args = ["trainer.total_steps=1", "trainer.test_freq=0", "trainer.sample_freq=0", "trainer.plot_curves=false"]
+    run_ppo(workdir, tmp_path / "model", "reward.type=model", f"reward.model_path={rm}", *args)
+    run_ppo(workdir, tmp_path / "rule", *args)
+    by_model, by_rule = read_metrics(tmp_path / "model"), read_metrics(tmp_path / "rule")
+    assert [m["step"] for m in by_model] == [0, 1]
+    assert all("val/rule_score/mean" in m and "val/score/mean" in m for m in by_model)
+    assert "val/rule_score/mean" not in by_rule[0]
+    assert by_model[0]["val/rule_score/mean"] == pytest.approx(by_rule[0]["val/score/mean"], abs=1e-6)
+    assert by_model[0]["val/score/mean"] != pytest.approx(by_rule[0]["val/score/mean"])
