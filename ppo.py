@@ -2,7 +2,7 @@
 
     accelerate launch ppo.py --config configs.yaml                          # the demo, CPU or GPU
     accelerate launch ppo.py --config configs.yaml trainer.total_steps=20 algorithm.adv_estimator=gae
-    accelerate launch --num_processes 2 ppo.py --config configs.yaml        # 2 processes (DDP; gloo on CPU)
+    accelerate launch --multi_gpu --num_processes 2 ppo.py --config configs.yaml  # DDP: 2 processes (gloo on a CPU)
     accelerate launch --config_file accelerate_configs/fsdp2.yaml --num_processes 2 ppo.py --config configs.yaml  # FSDP2
     python ppo.py --help                                                    # every config key
 

@@ -20,6 +20,14 @@ CORPUS = [f"What is {a} + {b}? Reply with only the number. {a + b}" for a in ran
     "system user assistant The answer is yes no good bad hello world Human Assistant"]
 
 
+def free_port() -> int:
+    """A TCP port on localhost that nothing listens on now (for a launcher's rendezvous)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def read_metrics(out):
     """The lines of <out>/metrics.jsonl, as dicts."""
     with open(os.path.join(out, "metrics.jsonl")) as f:

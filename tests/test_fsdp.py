@@ -9,7 +9,6 @@ so that 1 and 2 processes see the same tokens; the tolerance is TOL (relative), 
 import importlib.util
 import os
 import shutil
-import socket
 import stat
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, make_tiny_model, read_metrics
+from conftest import REPO, free_port, make_tiny_model, read_metrics
 
 TOL = 1e-4
 COMPARED = ["score/mean", "kl/mean", "loss/policy", "loss/value", "value/mean", "policy/entropy", "reward/mean",
@@ -48,12 +47,6 @@ def args(root, out, *overrides):
             "trainer.total_steps=3", "trainer.save_freq=2", "trainer.test_freq=0", "trainer.sample_freq=0",
             "trainer.val_before_train=false", "data.val_max_samples=8", "trainer.max_kl=0", "model.dtype=fp32",
             "trainer.plot_curves=false", f"trainer.output_dir={out}", *overrides]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(cmd, env=None):

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, make_tiny_model, read_metrics
+from conftest import REPO, free_port, make_tiny_model, read_metrics
 
 # A reward a random tiny model can earn: longer answers with more digits score higher. It uses
 # verl's signature and returns a dict, so the custom-function path and extra keys are exercised.
@@ -54,8 +54,8 @@ def base_args(root, out):
 def run_ppo(root, out, *overrides, nproc=1, expect_ok=True):
     launcher = [sys.executable]
     if nproc > 1:
-        launcher += ["-m", "accelerate.commands.launch", "--cpu", "--num_processes", str(nproc),
-                     "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+        launcher += ["-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/ddp_cpu.yaml",
+                     "--num_processes", str(nproc), "--main_process_port", str(free_port())]
     cmd = launcher + ["ppo.py", "--config", "configs.yaml", *base_args(root, out), *overrides]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     if expect_ok:
@@ -155,14 +155,22 @@ def test_non_finite_loss_skips_the_step(workdir, tmp_path):
 
 
 def test_two_processes_on_cpu(workdir, tmp_path):
-    """`accelerate launch --num_processes 2` (DDP over gloo): rank 0 alone writes one metrics line per
-    step, the batch is split across ranks, and a checkpoint is written."""
-    out = tmp_path / "ddp"
-    run_ppo(workdir, out, "trainer.total_steps=2", "trainer.test_freq=0", nproc=2)
-    steps = [line for line in read_metrics(out) if line["step"] > 0]
+    """accelerate_configs/ddp_cpu.yaml with 2 processes (DDP over gloo): the batch is split across the ranks
+    and the run logs what 1 process logs (greedy, full-length responses, so both see the same tokens); rank 0
+    alone writes one metrics line per step, and the checkpoint and adapter."""
+    same_tokens = ["trainer.total_steps=2", "trainer.test_freq=0", "rollout.temperature=0", "rollout.ignore_eos=true",
+                   "actor.ppo_epochs=2", "algorithm.adv_estimator=gae", "actor.entropy_coef=0.01"]
+    one, two = tmp_path / "one", tmp_path / "ddp"
+    run_ppo(workdir, one, *same_tokens)
+    proc = run_ppo(workdir, two, *same_tokens, nproc=2)
+    assert "parallel: ddp over 2 processes (gloo)" in proc.stdout
+    steps = [line for line in read_metrics(two) if line["step"] > 0]
     assert [line["step"] for line in steps] == [1, 2]
     assert all(k in steps[-1] for k in REQUIRED)
-    assert (out / "step_2").is_dir() and (out / "final" / "adapter_model.safetensors").exists()
+    for a, b in zip([line for line in read_metrics(one) if line["step"] > 0], steps):
+        for key in ("score/mean", "kl/mean", "loss/policy", "loss/value", "policy/entropy", "actor/grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
+    assert (two / "step_2").is_dir() and (two / "final" / "adapter_model.safetensors").exists()
 
 
 @pytest.mark.parametrize("case, overrides, message", [
