@@ -8,6 +8,7 @@ Values are type-checked, and an unknown key fails with the nearest valid key nam
 import ast
 import dataclasses
 import difflib
+import math
 import sys
 import types
 import typing
@@ -108,10 +109,11 @@ class KLControlConfig:
 
 @dataclass
 class AlgorithmConfig:
-    adv_estimator: Literal["gae", "grpo", "rloo"] = "grpo"
-    """advantage estimator: gae (critic), grpo (group-normalised), rloo (leave-one-out)"""
+    adv_estimator: Literal["gae", "grpo", "rloo", "reinforce_plus_plus"] = "grpo"
+    """advantage estimator: gae (critic), grpo (group-normalised), rloo (leave-one-out), reinforce_plus_plus
+    (discounted return per token, whitened over the global batch; as OpenRLHF, with use_kl_in_reward=true)"""
     gamma: float = 1.0
-    """discount factor for GAE"""
+    """discount factor for GAE and REINFORCE++"""
     lam: float = 0.95
     """GAE λ"""
     norm_adv_by_std_in_grpo: bool = True
@@ -197,6 +199,11 @@ class CriticConfig:
     """steps during which only the critic trains"""
     ppo_micro_batch_size_per_device: int = 64
     """sequences per critic forward/backward on one process"""
+    lora_rank: int = 0
+    """LoRA rank of the critic (on model.target_modules of the top model.lora_top_layers layers; the value head
+    trains whole); 0 trains every weight"""
+    lora_alpha: int = 64
+    """critic LoRA scaling α (the update is α/r · B·A)"""
 
 
 @dataclass
@@ -420,7 +427,7 @@ def _build(cls, values: dict, prefix: str, root):
             raise _unknown(prefix + name, root)
         tp = hints[name]
         if dataclasses.is_dataclass(tp):
-            kwargs[name] = _build(tp, value or {}, prefix + name + ".", root)
+            kwargs[name] = _build(tp, {} if value is None else value, prefix + name + ".", root)
         else:
             kwargs[name] = _coerce(value, tp, prefix + name)
     return cls(**kwargs)
@@ -432,8 +439,10 @@ def _set_dotted(tree: dict, key: str, value: str, root):
         tp = typing.get_type_hints(cls).get(part)
         if tp is None or not dataclasses.is_dataclass(tp):
             raise _unknown(key, root)
-        if not isinstance(node.get(part), dict):
+        if node.get(part) is None:
             node[part] = {}
+        elif not isinstance(node[part], dict):
+            raise ConfigError(f"config section `{key.rsplit('.', 1)[0]}` must be a mapping, got {node[part]!r}")
         cls, node = tp, node[part]
     if parts[-1] not in {f.name for f in dataclasses.fields(cls)}:
         raise _unknown(key, root)
@@ -446,17 +455,64 @@ def load_config(path: Optional[str] = None, overrides: tuple = (), root=Config):
     if path is not None:
         try:
             with open(path) as f:
-                tree = yaml.safe_load(f) or {}
+                tree = yaml.safe_load(f)
         except FileNotFoundError:
             raise ConfigError(f"config file {path} does not exist") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"config file {path} cannot be read: {getattr(e, 'strerror', None) or e}") from None
         except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+            raise ConfigError(f"config file {path} is not valid YAML: {' '.join(str(e).split())}") from None
+        if tree is None:
+            tree = {}
+        elif not isinstance(tree, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of sections (model:, data:, …), "
+                              f"got {tree!r:.80}")
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override `{item}` must look like key=value, e.g. trainer.total_steps=20")
         key, value = item.split("=", 1)
         _set_dotted(tree, key.strip(), value.strip(), root)
-    return _build(root, tree, "", root)
+    cfg = _build(root, tree, "", root)
+    check_ranges(cfg)
+    return cfg
+
+
+# The range of every number, by field name (a name means the same thing in every section). Any number not
+# listed must be ≥ 0. Every number must be finite; a list (betas) is checked element by element.
+RANGES = {
+    "[1, inf)": "n train_batch_size max_prompt_length max_response_length micro_batch_size ppo_epochs "
+                "ppo_mini_batch_size ppo_micro_batch_size_per_device log_prob_micro_batch_size_per_device "
+                "max_token_len_per_device horizon total_steps max_kl_window batch_size micro_batch_size_per_device "
+                "max_length lora_alpha",
+    "(0, inf)": "lr target_kl max_grad_norm rollout_is_threshold clip",
+    "(0, 1]": "top_p gpu_memory_utilization",
+    "[0, 1]": "gamma lam warmup_ratio min_lr_ratio",
+    "[0, 1)": "lora_dropout betas clip_ratio_low",
+    "(1, inf)": "clip_ratio_c",
+    "[-1, inf)": "top_k",
+    "(-inf, inf)": "rule_weight model_weight overlong_penalty",
+}
+RANGE_OF = {name: interval for interval, names in RANGES.items() for name in names.split()}
+
+
+def in_interval(x: float, interval: str) -> bool:
+    """Is x in an interval written "[a, b)" / "(a, b]" …?"""
+    low, high = (float(v) for v in interval[1:-1].split(","))
+    return (low <= x if interval[0] == "[" else low < x) and (x <= high if interval[-1] == "]" else x < high)
+
+
+def check_ranges(cfg, prefix: str = "") -> None:
+    """Every number of the config (nested sections included) inside its RANGES interval, or a ConfigError."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            check_ranges(value, prefix + f.name + ".")
+            continue
+        interval = RANGE_OF.get(f.name, "[0, inf)")
+        for x in value if isinstance(value, list) else [value]:
+            if isinstance(x, (int, float)) and not isinstance(x, bool) and not (
+                    math.isfinite(x) and in_interval(x, interval)):
+                raise ConfigError(f"config key `{prefix + f.name}` must be in {interval}, got {x}")
 
 
 def field_docs(cls) -> dict[str, str]:
@@ -504,6 +560,39 @@ def parse_args(argv: list[str], doc: str, root=Config):
 
 def to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
+
+
+def flatten(tree: dict, prefix: str = "") -> dict:
+    """{"a": {"b": 1}} → {"a.b": 1}"""
+    out = {}
+    for key, value in tree.items():
+        out.update(flatten(value, f"{prefix}{key}.") if isinstance(value, dict) else {prefix + key: value})
+    return out
+
+
+# Keys a resumed run must share with the run that wrote the checkpoint: they shape the saved weights (model,
+# LoRA) or what a step is (batch sizes, samples per prompt, the advantage estimator and its critic).
+FIXED_ON_RESUME = {"model.path", "model.tokenizer_path", "model.lora_rank", "model.lora_alpha", "model.target_modules",
+                   "model.lora_top_layers", "data.train_batch_size", "rollout.n", "actor.ppo_mini_batch_size",
+                   "algorithm.adv_estimator", "critic.model_path", "reward_model.model_path",
+                   "reward_model.tokenizer_path", "reward_model.lora_rank", "reward_model.lora_alpha",
+                   "reward_model.target_modules", "reward_model.lora_top_layers", "reward_model.batch_size"}
+
+
+def resume_changes(cfg, saved_path: str, stage: str) -> list[str]:
+    """How `cfg` differs from the config.yaml saved by the run being resumed, over the keys of `stage`
+    ("reward_model": reward_model.*, else every other key): "key old → new" for each key that may change,
+    a ConfigError for one in FIXED_ON_RESUME. A key the saved file lacks (an older version) is skipped."""
+    with open(saved_path) as f:
+        saved = flatten(yaml.safe_load(f) or {})
+    now = flatten(to_dict(cfg))
+    changed = [k for k, v in now.items() if k in saved and saved[k] != v
+               and k.startswith("reward_model.") == (stage == "reward_model")]
+    for key in changed:
+        if key in FIXED_ON_RESUME:
+            raise ConfigError(f"`{key}` cannot change on resume (it was {saved[key]!r} in {saved_path}, now "
+                              f"{now[key]!r}): set it back, or start a new run in another output_dir")
+    return [f"{k} {saved[k]!r} → {now[k]!r}" for k in changed]
 
 
 def save(cfg, path: str) -> None:

@@ -48,7 +48,7 @@ from distributed import (clip_grad_norm, describe, distribute, fsdp_from_launche
 from kl import KLController, kl_estimate, kl_penalty_rewards
 from rewards import check_data_sources, load_reward_function, rule_for, Scorer, score_responses
 from rollout import HFRollout, left_pad, make_rollout
-from utils import (autocast_dtype, check_loggers, check_model_path, console_line, exact_div, load_policy,
+from utils import (add_lora, autocast_dtype, check_loggers, check_model_path, console_line, exact_div, load_policy,
                    load_reference, load_tokenizer, make_optimizer, MetricsLogger, plot_curves, reduce_metrics,
                    restore_schedule, resume_or_start, sample_table, save_checkpoint, save_pretrained_atomic, start_run,
                    StopSignal, timed, use_gradient_checkpointing, wandb_resume_id)
@@ -371,6 +371,8 @@ def main(cfg: config.Config):
     critic = critic_opt = critic_sched = None
     if alg.adv_estimator == "gae":
         critic = load_critic(cfg.critic.model_path or cfg.model.path)
+        if cfg.critic.lora_rank > 0:
+            critic = add_lora(critic, cfg.critic.lora_rank, cfg.critic.lora_alpha, cfg.model, "TOKEN_CLS")
         if cfg.model.gradient_checkpointing:
             use_gradient_checkpointing(critic)
         critic = distribute(critic, accelerator, fsdp, trainable=True)

@@ -62,16 +62,22 @@ def load_policy(cfg_model):
     if cfg_model.gradient_checkpointing:
         use_gradient_checkpointing(model)
     if cfg_model.lora_rank > 0:
-        from peft import LoraConfig, get_peft_model
-
-        n_layers, top = model.config.num_hidden_layers, cfg_model.lora_top_layers
-        lora = LoraConfig(r=cfg_model.lora_rank, lora_alpha=cfg_model.lora_alpha, lora_dropout=cfg_model.lora_dropout,
-                          target_modules=list(cfg_model.target_modules), task_type="CAUSAL_LM",
-                          layers_to_transform=list(range(n_layers - top, n_layers)) if 0 < top < n_layers else None)
-        model = get_peft_model(model, lora)
+        model = add_lora(model, cfg_model.lora_rank, cfg_model.lora_alpha, cfg_model, "CAUSAL_LM")
         if cfg_model.gradient_checkpointing:
             model.enable_input_require_grads()
     return model
+
+
+def add_lora(model, rank: int, alpha: int, cfg_model, task_type: str):
+    """PEFT LoRA adapters of rank `rank` on model.target_modules of the top model.lora_top_layers decoder
+    layers (every layer when 0). task_type TOKEN_CLS (a critic) also trains the new value head whole."""
+    from peft import LoraConfig, get_peft_model
+
+    n_layers, top = model.config.num_hidden_layers, cfg_model.lora_top_layers
+    lora = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=cfg_model.lora_dropout, task_type=task_type,
+                      target_modules=list(cfg_model.target_modules),
+                      layers_to_transform=list(range(n_layers - top, n_layers)) if 0 < top < n_layers else None)
+    return get_peft_model(model, lora)
 
 
 def use_gradient_checkpointing(model) -> None:
@@ -335,9 +341,10 @@ def start_run(accelerator, cfg, stage: str):
 
 
 def set_aside_later(output_dir: str, step: int, metrics_path: str) -> None:
-    """Resuming at step N: metric lines past N are dropped (those steps are redone). With checkpoints past N
-    this run is a new branch: they, final/ and those lines move to <output_dir>/abandoned/from_step_N_<time>/,
-    so that resume=auto follows this branch and metrics.jsonl holds one history."""
+    """Resuming at step N (0: a fresh start): metric lines past N are dropped (those steps are redone). With
+    checkpoints past N this run is a new branch: they, final/ and those lines move to
+    <output_dir>/abandoned/from_step_N_<time>/, so that resume=auto follows this branch and metrics.jsonl
+    holds one history."""
     later = [path for path in checkpoints(output_dir) if checkpoint_step(path) > step]
     if not later:
         drop_metrics_after(metrics_path, step)
@@ -348,8 +355,8 @@ def set_aside_later(output_dir: str, step: int, metrics_path: str) -> None:
     for path in later + ([final] if os.path.isdir(final) else []):
         os.replace(path, os.path.join(aside, os.path.basename(path)))
     drop_metrics_after(metrics_path, step, os.path.join(aside, "metrics.jsonl"))
-    print(f"resuming at step {step}: the later checkpoints {[os.path.basename(p) for p in later]} and their "
-          f"metrics moved to {aside}", flush=True)
+    print(f"this run goes on from step {step}: the later checkpoints {[os.path.basename(p) for p in later]} and "
+          f"their metrics moved to {aside}", flush=True)
 
 
 class StopSignal:
@@ -400,8 +407,10 @@ def resume_or_start(accelerator, resume: str, output_dir: str, logger, cfg, mode
         state = load_training_state(path, models)
         if accelerator.is_main_process:
             set_aside_later(output_dir, checkpoint_step(path), logger.path)
-    elif accelerator.is_main_process and os.path.exists(logger.path):
-        os.remove(logger.path)  # a fresh run starts a fresh log
+    elif accelerator.is_main_process:  # a fresh start: checkpoints already here belong to another history
+        set_aside_later(output_dir, 0, logger.path)
+        if os.path.exists(logger.path):
+            os.remove(logger.path)  # a fresh run starts a fresh log
     if accelerator.is_main_process:
         os.makedirs(output_dir, exist_ok=True)
         config.save(cfg, os.path.join(output_dir, "config.yaml"))
@@ -459,6 +468,7 @@ def plot_curves(metrics_paths, out_png: str, keys: list = CURVE_KEYS, smoothing:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     paths = [metrics_paths] if isinstance(metrics_paths, str) else list(metrics_paths)
     runs = {}  # label (the run's folder) → rows
@@ -484,6 +494,7 @@ def plot_curves(metrics_paths, out_png: str, keys: list = CURVE_KEYS, smoothing:
                 ax.plot(steps, ema(values, smoothing), color=f"C{i}", linewidth=1.8, label=name)
         ax.set_title(key)
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     if len(runs) > 1:
         axes.flat[0].legend(fontsize=8)
