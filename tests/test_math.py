@@ -1,4 +1,5 @@
-"""The formulas of ppo.py, batches.py, critic.py and kl.py: hand-computed cases, plain loops, and masking."""
+"""The formulas of ppo.py, batches.py, critic.py, kl.py and utils.lr_lambda: hand-computed cases, plain loops,
+and masking; and actor_loss on a tiny model, for the switches that act inside it."""
 import math
 
 import pytest
@@ -7,7 +8,9 @@ import torch
 from critic import explained_variance, gae, value_loss
 from kl import KLController, kl_estimate, kl_penalty_rewards
 from batches import chunked_logprobs_entropy, entropy_from_logits, logprobs_from_logits, split_micro
-from ppo import agg_loss, grpo_advantages, masked_whiten, policy_loss, rloo_advantages
+from ppo import (actor_loss, agg_loss, grpo_advantages, masked_whiten, policy_loss, reinforce_plus_plus_advantages,
+                 rloo_advantages, rollout_is_weights)
+from utils import lr_lambda
 
 
 def random_mask(B, T, seed=0):
@@ -223,3 +226,232 @@ def test_chunked_logprobs_entropy_equal_whole_and_keep_gradients():
     (g_chunk,) = torch.autograd.grad((lp + 0.1 * ent).sum(), logits)
     assert torch.allclose(lp, lp_full, atol=1e-6) and torch.allclose(ent, ent_full, atol=1e-5)
     assert torch.allclose(g_chunk, g_full, atol=1e-6)
+
+
+# ---- REINFORCE++
+
+
+def test_reinforce_plus_plus_hand_case():
+    """γ=0.5. Sequence a: rewards [0, 2] → G = [1, 2]; sequence b: [0, pad] → G = [0]. Over the real tokens
+    {1, 2, 0}: μ = 1, σ² = 2/3, so Â = [0, √1.5] and [−√1.5, 0 (padding)]."""
+    rewards, mask = torch.tensor([[0.0, 2.0], [0.0, 5.0]]), torch.tensor([[1.0, 1], [1, 0]])
+    adv, ret = reinforce_plus_plus_advantages(rewards, mask, gamma=0.5)
+    assert torch.allclose(ret, torch.tensor([[1.0, 2.0], [0.0, 0.0]]))
+    s = math.sqrt(1.5)
+    assert torch.allclose(adv, torch.tensor([[0.0, s], [-s, 0.0]]), atol=1e-6)
+
+
+def test_reinforce_plus_plus_equals_plain_loop():
+    """Discounted returns from a plain loop over each sequence's real tokens, then (G − mean) / std over every
+    real token of the batch (population variance, as OpenRLHF's experience_maker), equal the batched function."""
+    B, T, gamma = 6, 9, 0.9
+    mask = random_mask(B, T, seed=5)
+    rewards = torch.randn(B, T)
+    adv, ret = reinforce_plus_plus_advantages(rewards, mask, gamma)
+    plain = []
+    for i in range(B):
+        n, g = int(mask[i].sum()), 0.0
+        row = [0.0] * T
+        for t in reversed(range(n)):
+            g = rewards[i, t].item() + gamma * g
+            row[t] = g
+        plain.append(row)
+    plain = torch.tensor(plain)
+    assert torch.allclose(ret, plain, atol=1e-5)
+    real = plain[mask == 1]
+    expect = (plain - real.mean()) / real.std(unbiased=False) * mask
+    assert torch.allclose(adv, expect, atol=1e-4)
+
+
+def test_reinforce_plus_plus_ignores_padding():
+    """Rewards at padded positions change nothing, and advantages and returns are 0 there."""
+    mask = random_mask(5, 7, seed=6)
+    rewards = torch.randn(5, 7)
+    a1, r1 = reinforce_plus_plus_advantages(rewards, mask, 0.95)
+    a2, r2 = reinforce_plus_plus_advantages(rewards + 100 * (1 - mask), mask, 0.95)
+    assert torch.allclose(a1, a2) and torch.allclose(r1, r2)
+    assert torch.all(a1[mask == 0] == 0) and torch.all(r1[mask == 0] == 0)
+
+
+def test_reinforce_plus_plus_whitens_over_the_global_batch():
+    """Two processes, each holding half the batch and summing its statistics with the other's (reduce_sum),
+    get exactly the advantages of one process holding the whole batch, not each half whitened alone."""
+    mask, rewards = random_mask(8, 6, seed=7), torch.randn(8, 6)
+    whole, _ = reinforce_plus_plus_advantages(rewards, mask, 0.9)
+    sums = {}
+
+    def record(half):
+        def f(s):
+            sums[half] = s.clone()
+            return s
+        return f
+    halves = {"a": slice(0, 4), "b": slice(4, 8)}
+    alone = {h: reinforce_plus_plus_advantages(rewards[s], mask[s], 0.9, record(h))[0] for h, s in halves.items()}
+    joint = {h: reinforce_plus_plus_advantages(rewards[s], mask[s], 0.9, lambda t: sums["a"] + sums["b"])[0]
+             for h, s in halves.items()}
+    assert torch.allclose(torch.cat([joint["a"], joint["b"]]), whole, atol=1e-5)
+    assert not torch.allclose(torch.cat([alone["a"], alone["b"]]), whole, atol=1e-3)
+
+
+# ---- truncated importance sampling (algorithm.rollout_is)
+
+
+def test_rollout_is_weights_hand_case():
+    """log π_old − log π_rollout = [0.5, −0.3, 1.5 | pad]: token weights e^0.5, e^−0.3 and 2 (e^1.5 = 4.48
+    truncated at C = 2); sequence weight min(e^1.7, 2) = 2, and with C = 10, e^1.7 on every token."""
+    old, rollout = torch.tensor([[0.5, -0.3, 1.5, 9.0]]), torch.zeros(1, 4)
+    mask = torch.tensor([[1.0, 1, 1, 0]])
+    w = rollout_is_weights(old, rollout, mask, "token", 2.0)
+    assert torch.allclose(w[0, :3], torch.tensor([math.exp(0.5), math.exp(-0.3), 2.0]))
+    assert torch.allclose(rollout_is_weights(old, rollout, mask, "sequence", 2.0)[0, :3], torch.full((3,), 2.0))
+    assert torch.allclose(rollout_is_weights(old, rollout, mask, "sequence", 10.0)[0, :3],
+                          torch.full((3,), math.exp(1.7)))
+
+
+def test_rollout_is_weights_equal_plain_loop_and_ignore_padding():
+    """Token and sequence weights equal a plain loop over each response's real tokens; log-probs at padded
+    positions change no weight on a real token."""
+    B, T, C = 5, 6, 1.5
+    mask = random_mask(B, T, seed=8)
+    old, rollout = 0.3 * torch.randn(B, T), 0.3 * torch.randn(B, T)
+    token, seq = rollout_is_weights(old, rollout, mask, "token", C), rollout_is_weights(old, rollout, mask, "sequence", C)
+    for i in range(B):
+        n = int(mask[i].sum())
+        log_seq = sum(old[i, t].item() - rollout[i, t].item() for t in range(n))
+        for t in range(n):
+            assert token[i, t].item() == pytest.approx(min(math.exp(old[i, t].item() - rollout[i, t].item()), C), rel=1e-5)
+            assert seq[i, t].item() == pytest.approx(min(math.exp(log_seq), C), rel=1e-5)
+    garbage = old + 50 * (1 - mask)
+    for level in ("token", "sequence"):
+        assert torch.allclose(rollout_is_weights(garbage, rollout, mask, level, C) * mask,
+                              rollout_is_weights(old, rollout, mask, level, C) * mask)
+
+
+# ---- asymmetric clipping
+
+
+def test_policy_loss_asymmetric_clip_low_and_high_are_not_swapped():
+    """ε_low = 0.1, ε_high = 0.3: ratio 1.25 with Â = 1 is inside [0.9, 1.3] (loss −1.25, unclipped), ratio 0.8
+    with Â = −1 is below 0.9 (loss −Â·0.9 = 0.9, clipped). Swapped bounds would give −1.1 and 0.8."""
+    logp, old = torch.log(torch.tensor([[1.25, 0.8]])), torch.zeros(1, 2)
+    adv = torch.tensor([[1.0, -1.0]])
+    pg, clipped = policy_loss(logp, old, adv, clip_low=0.1, clip_high=0.3, clip_c=3.0)
+    assert pg[0].tolist() == pytest.approx([-1.25, 0.9])
+    assert clipped.tolist() == [[0.0, 1.0]]
+    pg_swapped, _ = policy_loss(logp, old, adv, clip_low=0.3, clip_high=0.1, clip_c=3.0)
+    assert pg_swapped[0].tolist() == pytest.approx([-1.1, 0.8])
+
+
+# ---- learning-rate schedule
+
+
+def test_lr_lambda_warmup_then_cosine_values():
+    """10 steps, warmup_ratio 0.2 (2 steps), floor 0.1: 1/3, 2/3 in warm-up, then 1 at step 2, the floor plus half
+    the range at the midpoint (step 6), the floor at step 10 and after; 'constant' stays at 1 after warm-up."""
+    f = lr_lambda(10, 0.2, "cosine", 0.1)
+    assert [f(s) for s in (0, 1, 2)] == pytest.approx([1 / 3, 2 / 3, 1.0])
+    assert f(6) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert f(10) == pytest.approx(0.1) and f(15) == pytest.approx(0.1)
+    for s in range(2, 11):  # the cosine formula, step by step
+        assert f(s) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (s - 2) / 8)))
+    g = lr_lambda(10, 0.2, "constant", 0.1)
+    assert [g(s) for s in (0, 1, 2, 9, 10)] == pytest.approx([1 / 3, 2 / 3, 1, 1, 1])
+    assert lr_lambda(10, 0.0, "cosine", 0.0)(0) == 1.0  # no warm-up: the peak at once
+
+
+# ---- actor_loss on a tiny model: the switches that act inside it
+
+
+@pytest.fixture(scope="module")
+def tiny_actor(tmp_path_factory):
+    """A tiny causal LM, and a micro-batch of 3 random (prompt, response) pairs, the last response padded."""
+    from transformers import AutoModelForCausalLM
+    from conftest import make_tiny_model
+    policy = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path_factory.mktemp("actor")))
+    g = torch.Generator().manual_seed(0)
+    mb = dict(queries=torch.randint(5, 100, (3, 4), generator=g), query_mask=torch.ones(3, 4, dtype=torch.long),
+              responses=torch.randint(5, 100, (3, 5), generator=g),
+              response_mask=torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]))
+    return policy, mb
+
+
+def run_actor_loss(policy, mb, on_policy=True, **overrides):
+    """actor_loss with the config's defaults plus `overrides` (dotted keys), no reference; (loss, stats)."""
+    import config
+    from collections import defaultdict
+    cfg = config.load_config(None, [f"{k}={v}" for k, v in overrides.items()])
+    stats = defaultdict(list)
+    mask = mb["response_mask"]
+    norm = (float(mask.sum()), float(len(mask)))
+    loss = actor_loss(cfg, policy, mb, 1.0, None, "padded", norm, on_policy, False, True, stats)
+    return loss, {k: v[0] for k, v in stats.items()}
+
+
+def logprobs_of(policy, mb):
+    from batches import forward_logprobs
+    with torch.no_grad():
+        return forward_logprobs(policy, mb, 1.0, None, True, "padded")
+
+
+def test_actor_loss_entropy_bonus(tiny_actor):
+    """A positive actor.entropy_coef c lowers the loss by exactly c·H̄ (token-mean entropy), and a gradient
+    step on that loss alone (Â = 0) raises the policy's entropy."""
+    policy, mb = tiny_actor
+    mb = {**mb, "advantages": torch.zeros(3, 5)}
+    mask = mb["response_mask"].float()
+    _, entropy = logprobs_of(policy, mb)
+    h_mean = ((entropy * mask).sum() / mask.sum()).item()
+    loss0, _ = run_actor_loss(policy, mb, **{"actor.entropy_coef": 0.0})
+    loss1, stats = run_actor_loss(policy, mb, **{"actor.entropy_coef": 0.5})
+    assert loss0.item() == pytest.approx(0.0, abs=1e-7)
+    assert loss1.item() == pytest.approx(-0.5 * h_mean, rel=1e-5)
+    assert stats["policy/entropy"] == pytest.approx(h_mean, rel=1e-5)
+    policy.zero_grad()
+    loss1.backward()
+    with torch.no_grad():
+        for p in policy.parameters():
+            if p.grad is not None:
+                p -= 0.05 * p.grad
+    _, after = logprobs_of(policy, mb)
+    with torch.no_grad():  # undo the step for the other tests
+        for p in policy.parameters():
+            if p.grad is not None:
+                p += 0.05 * p.grad
+    policy.zero_grad()
+    assert ((after * mask).sum() / mask.sum()).item() > h_mean
+
+
+def test_actor_loss_passes_clip_low_and_high_the_right_way_round(tiny_actor):
+    """Through actor_loss: old log-probs set so that the ratio is 1.25 where Â = 1 (rows 0, 2) and 0.8 where
+    Â = −1 (row 1). With clip_ratio_low 0.1, clip_ratio_high 0.3 only row 1 is clipped (clipfrac 5/13) and the
+    policy loss is (−1.25·8 + 0.9·5)/13; a config whose low and high were swapped would clip rows 0 and 2."""
+    policy, mb = tiny_actor
+    logprobs, _ = logprobs_of(policy, mb)
+    ratio = torch.tensor([1.25, 0.8, 1.25])[:, None].expand(3, 5)
+    mb = {**mb, "advantages": torch.tensor([1.0, -1.0, 1.0])[:, None].expand(3, 5).clone(),
+          "old_logprobs": logprobs - ratio.log()}
+    _, stats = run_actor_loss(policy, mb, on_policy=False, **{"actor.clip_ratio_low": 0.1, "actor.clip_ratio_high": 0.3})
+    assert stats["policy/clipfrac"] == pytest.approx(5 / 13)
+    assert stats["loss/policy"] == pytest.approx((-1.25 * 8 + 0.9 * 5) / 13, rel=1e-4)
+    _, swapped = run_actor_loss(policy, mb, on_policy=False, **{"actor.clip_ratio_low": 0.3, "actor.clip_ratio_high": 0.1})
+    assert swapped["policy/clipfrac"] == pytest.approx(8 / 13)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_actor_loss_applies_truncated_rollout_is(tiny_actor, level):
+    """With the sampler's log-probs log 3 below the trainer's on every token, algorithm.rollout_is multiplies the
+    policy loss by the truncated weight: min(3, C) per token, or min(3^T_i, C) per sequence; with rollout_is=off
+    the loss is unweighted but the (token) weight is still logged."""
+    policy, mb = tiny_actor
+    logprobs, _ = logprobs_of(policy, mb)
+    mask = mb["response_mask"].float()
+    mb = {**mb, "advantages": torch.tensor([1.0, -0.5, 2.0])[:, None].expand(3, 5).clone(),
+          "rollout_logprobs": (logprobs - math.log(3)) * mask}
+    off_loss, off = run_actor_loss(policy, mb, **{"algorithm.rollout_is": "off"})
+    assert off["rollout/is_weight_mean"] == pytest.approx(2.0, rel=1e-4)  # min(3, default threshold 2)
+    for threshold in (2.0, 5.0):
+        loss, stats = run_actor_loss(policy, mb, **{"algorithm.rollout_is": level,
+                                                    "algorithm.rollout_is_threshold": threshold})
+        weight = min(3.0, threshold) if level == "token" else threshold  # 3^3 and 3^5 both exceed 5
+        assert loss.item() == pytest.approx(weight * off_loss.item(), rel=1e-4)
+        assert stats["rollout/is_weight_mean"] == pytest.approx(weight, rel=1e-4)
