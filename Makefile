@@ -7,7 +7,7 @@ STAMP := .venv/.install-stamp
 MODEL := models/SmolLM2-135M-Instruct/config.json
 DATA := data/arithmetic/train.parquet
 
-.PHONY: install run test prepare preferences reward-model rlhf bench
+.PHONY: install run test prepare preferences reward-model rlhf
 install: $(STAMP)
 
 # Re-runs only when the requirements or this Makefile change: a second `make install` installs nothing.
@@ -52,6 +52,11 @@ test: install
 
 preferences: | $(STAMP)
 	$(PY) data.py --task arithmetic-preferences --output data/preferences
+
+# The demo reward model's measured settings (README): LoRA in the top 8 layers, lr 5e-4, 60 steps of 16 pairs.
+RM_ARGS ?= reward_model.total_steps=60 reward_model.lora_top_layers=8 reward_model.optim.lr=5e-4 \
+	reward_model.micro_batch_size_per_device=16 reward_model.val_max_pairs=200 reward_model.eval_freq=20 \
+	reward_model.save_freq=20
 
 reward-model: $(MODEL) preferences
 	OMP_NUM_THREADS=$(THREADS) .venv/bin/accelerate launch --num_processes 1 reward_model.py --config configs.yaml \

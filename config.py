@@ -197,6 +197,8 @@ class CriticConfig:
     """value loss weight"""
     warmup_steps: int = 0
     """steps during which only the critic trains"""
+    max_grad_norm: float = 1.0
+    """clip the critic's gradient norm"""
     ppo_micro_batch_size_per_device: int = 64
     """sequences per critic forward/backward on one process"""
     lora_rank: int = 0

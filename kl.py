@@ -59,9 +59,3 @@ class KLController:
         if self.kind == "adaptive":
             error = min(max(current_kl / self.target - 1, -0.2), 0.2)
             self.value *= 1 + error * n_steps / self.horizon
-
-    def state_dict(self) -> dict:
-        return {"value": self.value}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.value = state["value"]

@@ -521,7 +521,7 @@ def main(cfg: config.Config):
                         micros = [micro_batch(batch, i, device) for i in
                                   split_micro(mb_inds, tok_lengths, sizes["critic_micro"], max_tok)]
                         loss_fn = lambda mb: critic_loss(cfg, critic, mb, dtype, layout, norm, stats)  # noqa: E731
-                        grad_norm = train_mini_batch(critic, critic_opt, micros, loss_fn, cfg.actor.max_grad_norm)
+                        grad_norm = train_mini_batch(critic, critic_opt, micros, loss_fn, cfg.critic.max_grad_norm)
                     state.skipped += grad_norm is None
                     stats["critic/grad_norm"] += [grad_norm] if grad_norm is not None else []
         metrics["actor/lr"] = actor_sched.get_last_lr()[0]

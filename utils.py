@@ -13,6 +13,7 @@ from contextlib import contextmanager
 
 import torch
 
+import config
 from config import ConfigError
 from distributed import load_training_state, save_training_state
 
@@ -321,8 +322,6 @@ def start_run(accelerator, cfg, stage: str):
     total_steps): lock the output folder, find the checkpoint to resume from, check this config against the one
     it was trained with and print what changed. Returns (lock, checkpoint or None, finished), finished when
     that checkpoint is at total_steps and final/ exists: there is nothing to train."""
-    import config
-
     section = getattr(cfg, stage)
     lock = lock_output_dir(accelerator, section.output_dir, f"{stage}.output_dir")
     path = resolve_resume(section.resume, section.output_dir, f"{stage}.resume")
@@ -400,8 +399,6 @@ def resume_or_start(accelerator, resume: str, output_dir: str, logger, cfg, mode
     """Load the checkpoint trainer.resume names into `models` (forgetting metrics logged after it), or start
     a fresh log; either way write the resolved config.yaml. Returns (checkpoint folder, its saved state)
     or (None, None)."""
-    import config
-
     path, state = resolve_resume(resume, output_dir), None
     if path:
         state = load_training_state(path, models)
