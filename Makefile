@@ -53,14 +53,8 @@ test: install
 preferences: | $(STAMP)
 	$(PY) data.py --task arithmetic-preferences --output data/preferences
 
-# The demo reward model's measured settings (README): LoRA in the top 8 layers, lr 5e-4, 60 steps of 16 pairs.
-RM_ARGS ?= reward_model.total_steps=60 reward_model.lora_top_layers=8 reward_model.optim.lr=5e-4 \
-	reward_model.micro_batch_size_per_device=16 reward_model.val_max_pairs=200 reward_model.eval_freq=20 \
-	reward_model.save_freq=20
-
 reward-model: $(MODEL) preferences
-	OMP_NUM_THREADS=$(THREADS) .venv/bin/accelerate launch --num_processes 1 reward_model.py --config configs.yaml \
-		$(RM_ARGS)
+	OMP_NUM_THREADS=$(THREADS) .venv/bin/accelerate launch --num_processes 1 reward_model.py --config configs.yaml
 
 # The RLHF pipeline from nothing: preference pairs → reward model → PPO scored by it (standardised with the
 # reward model's own score statistics). Validation logs val/rule_score/mean beside the reward model's score:

@@ -281,7 +281,7 @@ class RewardModelConfig:
     """preference parquet: prompt (text or chat messages), chosen, rejected (responses), optional margin"""
     val_files: Optional[str] = "data/preferences/val.parquet"
     """validation preference parquet; null disables validation"""
-    val_max_pairs: int = 100
+    val_max_pairs: int = 200
     """validate on at most this many pairs (0 = all)"""
     output_dir: str = "outputs/reward_model"
     """metrics.jsonl, checkpoints, final/ (merged model, tokenizer, reward_stats.json) and final_adapter/"""
@@ -291,11 +291,11 @@ class RewardModelConfig:
     """a longer pair: keep its last max_length tokens (the response end, where the reward is read) or drop it"""
     batch_size: int = 16
     """pairs per optimiser step, over all processes"""
-    micro_batch_size_per_device: int = 8
+    micro_batch_size_per_device: int = 16
     """pairs per forward/backward on one process (2× as many sequences); accumulation fills the batch"""
-    total_steps: int = 30
+    total_steps: int = 60
     """optimiser steps; the pairs are reshuffled (seeded) every epoch"""
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=3e-4, warmup_ratio=0.05, min_lr_ratio=0.1))
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=5e-4, warmup_ratio=0.05, min_lr_ratio=0.1))
     """reward-model optimiser"""
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
@@ -312,7 +312,7 @@ class RewardModelConfig:
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
                                                                "gate_proj", "up_proj", "down_proj"])
     """module names that get LoRA adapters"""
-    lora_top_layers: int = 4
+    lora_top_layers: int = 8
     """LoRA only in the last N decoder layers (0 = all); the backward pass then stops below them"""
     dtype: Literal["bf16", "fp32"] = "fp32"
     """compute dtype: bf16 = autocast over fp32 master weights (for GPUs; CPUs without native bf16 run it slower)"""
@@ -324,9 +324,9 @@ class RewardModelConfig:
     """wandb project"""
     experiment_name: str = "default"
     """wandb run name"""
-    eval_freq: int = 15
+    eval_freq: int = 20
     """validate every N steps (0 = only at the end)"""
-    save_freq: int = 15
+    save_freq: int = 20
     """checkpoint every N steps (0 = only at the end)"""
     keep_checkpoints: int = 2
     """keep the last N step_* checkpoints"""

@@ -24,6 +24,8 @@ learn one rule, the tens digit.
 """
 import argparse
 import json
+import math
+import numbers
 import os
 import random
 
@@ -47,13 +49,19 @@ class DataError(ValueError):
 
 
 def read_parquet(path: str) -> pa.Table:
-    """The table at `path`, or a DataError saying the file is missing or not parquet."""
+    """The table at `path`, or a DataError saying the file is missing, a folder, not parquet or not UTF-8."""
+    if os.path.isdir(path):
+        raise DataError(f"data file {path} is a directory; name the parquet file inside it, e.g. {path}/train.parquet")
     if not os.path.isfile(path):
         raise DataError(f"data file {path} does not exist; write one with `python data.py --task arithmetic "
                         f"--output data/arithmetic` or convert jsonl with `python data.py --input x.jsonl --output DIR`")
     try:
-        return pq.read_table(path)
+        table = pq.read_table(path)
+        table.validate(full=True)  # bad UTF-8 fails here, by column, not as a decode error while reading rows
+        return table
     except (pa.ArrowInvalid, OSError) as e:
+        if "UTF8" in str(e):
+            raise DataError(f"data file {path} holds text that is not valid UTF-8 ({e}); re-encode it") from None
         raise DataError(f"data file {path} is not a readable parquet file: {e}") from None
 
 
@@ -131,6 +139,8 @@ def load_rl_dataset(path: str, tokenizer, max_prompt_length: int, truncation: st
         texts.append(render_prompt(row["prompt"], tokenizer))
     rows, truncated, filtered = [], 0, 0
     for i, (row, text, ids) in enumerate(zip(raw, texts, tokenize_prompts(texts, tokenizer))):
+        if not ids:
+            raise DataError(f"{path} row {i}: the prompt is 0 tokens once rendered; give it some text")
         if len(ids) > max_prompt_length:
             if truncation == "error":
                 raise DataError(f"{path} row {i}: the prompt is {len(ids)} tokens, more than data.max_prompt_length="
@@ -154,10 +164,10 @@ def load_preferences(path: str) -> tuple[list[dict], dict]:
     """Read preference pairs for the reward-model stage; returns (rows, stats).
 
     Columns: prompt (text, or chat messages as in the RL layout), chosen, rejected (strings), optional
-    margin (float). chosen/rejected are the *responses only*: the caller prepends the prompt. When prompt
-    is the empty string, chosen and rejected are whole conversations (HH-RLHF style) used as they are.
-    Rows whose chosen == rejected teach nothing and are dropped.
-    rows: {"prompt", "chosen", "rejected", "margin" (0.0 when absent)};
+    margin (float), optional kind (a label, e.g. "tens"). chosen/rejected are the *responses only*: the caller
+    prepends the prompt. When prompt is the empty string, chosen and rejected are whole conversations (HH-RLHF
+    style) used as they are. Rows whose chosen == rejected teach nothing and are dropped.
+    rows: {"prompt", "chosen", "rejected", "margin" (0.0 when absent), "kind" (only when given)};
     stats: {"rows": read, "kept": returned, "identical_dropped": dropped}.
     """
     table = read_parquet(path)
@@ -167,10 +177,17 @@ def load_preferences(path: str) -> tuple[list[dict], dict]:
         check_prompt(row["prompt"], f"{path} row {i}: ")
         if not (isinstance(row["chosen"], str) and isinstance(row["rejected"], str)):
             raise DataError(f"{path} row {i}: `chosen` and `rejected` must be strings")
+        if not (row["chosen"].strip() and row["rejected"].strip()):
+            raise DataError(f"{path} row {i}: `chosen` and `rejected` must not be empty; drop the row or fill it in")
+        margin = row.get("margin")
+        if margin is not None and not (isinstance(margin, numbers.Real) and not isinstance(margin, bool)
+                                       and math.isfinite(margin)):
+            raise DataError(f"{path} row {i}: `margin` must be a finite number or null, got {margin!r}")
         if row["chosen"] == row["rejected"]:
             identical += 1
             continue
-        rows.append({**{k: row[k] for k in ("prompt", "chosen", "rejected")}, "margin": float(row.get("margin") or 0.0)})
+        kind = {"kind": row["kind"]} if row.get("kind") else {}  # optional: validation accuracy is also per kind
+        rows.append({**{k: row[k] for k in ("prompt", "chosen", "rejected")}, "margin": float(margin or 0.0), **kind})
     if not rows:
         raise DataError(f"{path}: all {identical} pairs have chosen == rejected; nothing to learn from")
     return rows, {"rows": table.num_rows, "kept": len(rows), "identical_dropped": identical}
@@ -229,20 +246,36 @@ def make_arithmetic(n: int, seed: int) -> list[dict]:
     return rows
 
 
+PREFERENCE_KINDS = {  # kind of pair → its share: each teaches one thing the `arithmetic` rule checks
+    "tens": 0.4,     # "15 + 2 = 17" over "15 + 2 = 27": the tens digit (carry or not), the demo policy's mistake
+    "ones": 0.2,     # over the sum off by 1 or 2
+    "bare": 0.15,    # "17" over "27" or "18": the rule takes the bare number too, when it is right
+    "format": 0.25,  # the clean equation over the right sum said another way, or more than once
+}
+
+
 def make_arithmetic_preferences(n: int, seed: int) -> list[dict]:
-    """n pairs: chosen is the correct equation "a + b = c"; rejected is the equation with a near-miss
-    sum (2/3) or the right sum in a form the strict reward refuses (1/3), so the reward model learns
-    what the rule scores."""
-    rng, wrong_rng = random.Random(seed), random.Random(f"rejected-{seed}")  # same questions as make_arithmetic
+    """n pairs on the demo's questions, each of a `kind` (PREFERENCE_KINDS, logged per kind by reward_model.py):
+    chosen scores 1 under the `arithmetic` rule and rejected 0, and within tens, ones and bare pairs both
+    have the same form and length, so only the sum tells them apart."""
+    rng, pair_rng = random.Random(seed), random.Random(f"rejected-{seed}")  # same questions as make_arithmetic
+    kinds, shares = zip(*PREFERENCE_KINDS.items())
     rows = []
     for _ in range(n):
         a, b = arithmetic_question(rng)
-        c = a + b
-        if wrong_rng.random() < 2 / 3:
-            rejected = f"{a} + {b} = {c + wrong_rng.choice([-10, -2, -1, 1, 2, 10])}"
-        else:
-            rejected = wrong_rng.choice([f"The answer is {c}.", f"{a} + {b} = {c}\n{a} + {b} = {c}", f"{c} = {a} + {b}"])
-        rows.append({"prompt": arithmetic_prompt(a, b), "chosen": f"{a} + {b} = {c}", "rejected": rejected})
+        c, kind = a + b, pair_rng.choices(kinds, shares)[0]
+        equation = f"{a} + {b} = {c}"
+        wrong_tens = c - 10 if c >= 20 else c + 10  # the carry got wrong: 15 + 2 = 27, 18 + 5 = 13
+        step = pair_rng.choice([-2, -1, 1, 2])
+        wrong_ones = c + step if c + step >= 10 else c - step  # two digits, as c has
+        chosen, rejected = {
+            "tens": (equation, f"{a} + {b} = {wrong_tens}"),
+            "ones": (equation, f"{a} + {b} = {wrong_ones}"),
+            "bare": (str(c), str(pair_rng.choice([wrong_tens, wrong_ones]))),
+            "format": (equation, pair_rng.choice([f"The answer is {c}.", f"{equation}\n{equation}", f"{c} = {a} + {b}",
+                                                  f"{equation}. The sum of {a} and {b} is {c}."])),
+        }[kind]
+        rows.append({"prompt": arithmetic_prompt(a, b), "chosen": chosen, "rejected": rejected, "kind": kind})
     return rows
 
 

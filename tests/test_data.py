@@ -213,7 +213,7 @@ def test_generators_are_deterministic_and_correct():
     prefs = data.make_arithmetic_preferences(200, 0)
     assert prefs == data.make_arithmetic_preferences(200, 0)
     gts = [r["ground_truth"] for r in data.make_arithmetic(200, 0)]
-    assert [p["chosen"].split(" = ")[1] for p in prefs] == gts  # the same questions in the same order
+    assert [p["prompt"] for p in prefs] == [r["prompt"] for r in data.make_arithmetic(200, 0)]  # same questions, order
     assert all(arithmetic_score(p["chosen"], g) == 1.0 and arithmetic_score(p["rejected"], g) == 0.0
                for p, g in zip(prefs, gts))
 
@@ -254,7 +254,7 @@ def test_cli_task_arithmetic_preferences(tmp_path):
     out = tmp_path / "prefs"
     assert run_cli("--task", "arithmetic-preferences", "--output", str(out), "--train-size", "20").returncode == 0
     rows, stats = data.load_preferences(str(out / "train.parquet"))
-    assert stats["rows"] == 20 and set(rows[0]) == {"prompt", "chosen", "rejected", "margin"}
+    assert stats["rows"] == 20 and set(rows[0]) == {"prompt", "chosen", "rejected", "margin", "kind"}
 
 
 def test_cli_converts_our_jsonl(tmp_path):

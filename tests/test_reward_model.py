@@ -190,3 +190,63 @@ def test_bad_input_fails_with_a_sentence(workdir, tmp_path):
     pairs, stats = load_pairs(str(tmp_path / "mixed.parquet"), tok, 64, "truncate", False)
     assert stats["truncated"] == 1 and len(pairs[1][0]) == 64 and pairs[1][2] == 0.0
     assert pairs[1][0][-3:] == pairs[0][0][-3:]  # truncation keeps the end, where the reward is read
+
+
+def test_demo_pairs_teach_the_rule():
+    """Every demo pair (data.py --task arithmetic-preferences) has a chosen answer the `arithmetic` rule scores 1
+    and a rejected one it scores 0; in tens, ones and bare pairs both answers have the same form and length, so
+    only the sum separates them; every kind is there in about its share."""
+    from rewards import arithmetic_score
+    rows = data.make_arithmetic_preferences(2000, seed=0)
+    counts = {}
+    for row in rows:
+        truth = str(sum(int(x) for x in row["prompt"][-1]["content"].split(" + ")))  # the question "a + b"
+        assert arithmetic_score(row["chosen"], truth) == 1.0 and arithmetic_score(row["rejected"], truth) == 0.0, row
+        if row["kind"] != "format":
+            assert len(row["chosen"]) == len(row["rejected"]) and row["chosen"].count("=") == row["rejected"].count("=")
+        counts[row["kind"]] = counts.get(row["kind"], 0) + 1
+    for kind, share in data.PREFERENCE_KINDS.items():
+        assert abs(counts[kind] / len(rows) - share) < 0.03, (kind, counts)
+
+
+def test_validation_accuracy_per_kind(workdir, tmp_path):
+    """Pairs with a `kind` column get val/rm/accuracy/<kind> beside val/rm/accuracy, and the per-kind
+    accuracies, weighted by their pair counts, add up to the overall one."""
+    rows = pq.read_table(str(workdir / "val.parquet")).to_pylist()
+    kinds = ["even" if i % 2 == 0 else "odd" for i in range(len(rows))]
+    pq.write_table(pa.Table.from_pylist([{**r, "kind": k} for r, k in zip(rows, kinds)]), str(tmp_path / "val.parquet"))
+    out = tmp_path / "out"
+    run_rm(workdir, out, f"reward_model.val_files={tmp_path}/val.parquet", "reward_model.total_steps=2",
+           "reward_model.eval_freq=1", "reward_model.save_freq=0")
+    for line in read_metrics(out):
+        by_kind = [line[f"val/rm/accuracy/{k}"] * kinds.count(k) for k in ("even", "odd")]
+        assert sum(by_kind) / len(rows) == pytest.approx(line["val/rm/accuracy"], abs=1e-9)
+
+
+def test_shared_prefix_forward_equals_one_plain_forward(tmp_path):
+    """Conversations that open alike (right-padded, different lengths) get the same rewards, and the same
+    gradients, whether their common prefix runs once and is cached or every row runs whole."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForSequenceClassification
+    from reward_model import shared_prefix_length
+    tok = make_tokenizer()
+    hf = AutoModelForSequenceClassification.from_pretrained(make_tiny_model(tmp_path / "m"), num_labels=1,
+                                                            pad_token_id=tok.pad_token_id)
+    hf = get_peft_model(hf, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="SEQ_CLS"))
+    for p in hf.parameters():  # LoRA B starts at 0: give it values so gradients reach A too
+        if p.requires_grad:
+            torch.nn.init.normal_(p, std=0.02)
+    model = RewardModel(hf)
+    seqs = [tok(f"What is 2 + 3? Reply with only the number. {x}").input_ids for x in ("5", "6 good", "55")]
+    T = max(map(len, seqs))
+    input_ids = torch.tensor([s + [tok.pad_token_id] * (T - len(s)) for s in seqs])
+    mask = torch.tensor([[1] * len(s) + [0] * (T - len(s)) for s in seqs])
+    assert shared_prefix_length(input_ids, mask) > 5  # the question is shared, so the cached path is taken
+    cached = model(input_ids, mask)
+    grads = torch.autograd.grad(cached.sum(), [p for p in hf.parameters() if p.requires_grad])
+    base = hf.get_base_model()
+    hidden = base.model(input_ids=input_ids, attention_mask=mask).last_hidden_state
+    plain = base.score(hidden[torch.arange(3), last_token_index(mask)]).squeeze(-1)
+    plain_grads = torch.autograd.grad(plain.sum(), [p for p in hf.parameters() if p.requires_grad])
+    assert torch.allclose(cached, plain, atol=1e-5)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(grads, plain_grads))
