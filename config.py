@@ -109,7 +109,7 @@ class KLControlConfig:
 
 @dataclass
 class AlgorithmConfig:
-    adv_estimator: Literal["gae", "grpo", "rloo", "reinforce_plus_plus"] = "grpo"
+    adv_estimator: Literal["gae", "grpo", "rloo", "reinforce_plus_plus"] = "gae"
     """advantage estimator: gae (critic), grpo (group-normalised), rloo (leave-one-out), reinforce_plus_plus
     (discounted return per token, whitened over the global batch; as OpenRLHF, with use_kl_in_reward=true)"""
     gamma: float = 1.0
@@ -188,7 +188,7 @@ class ActorConfig:
 class CriticConfig:
     model_path: Optional[str] = None
     """value model backbone; null means model.path (a reward-model folder works too)"""
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5, warmup_ratio=0.0,
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4, warmup_ratio=0.0,
                                                                    lr_scheduler="constant", min_lr_ratio=0.0))
     """critic optimiser"""
     cliprange_value: float = 0.2
@@ -201,7 +201,7 @@ class CriticConfig:
     """clip the critic's gradient norm"""
     ppo_micro_batch_size_per_device: int = 64
     """sequences per critic forward/backward on one process"""
-    lora_rank: int = 0
+    lora_rank: int = 32
     """LoRA rank of the critic (on model.target_modules of the top model.lora_top_layers layers; the value head
     trains whole); 0 trains every weight"""
     lora_alpha: int = 64

@@ -39,9 +39,9 @@ overrides=(
     actor.optim.lr=1e-6 actor.optim.lr_scheduler=constant actor.optim.warmup_ratio=0 actor.optim.weight_decay=0.01
     actor.ppo_epochs=1 actor.ppo_mini_batch_size=64 actor.clip_ratio_low=0.2 actor.clip_ratio_high=0.2
     actor.clip_ratio_c=3.0 actor.entropy_coef=0.001 actor.loss_agg_mode=token-mean actor.max_grad_norm=1.0
-    # critic: its own Qwen2.5-0.5B-Instruct (critic.model_path null = model.path), lr 1e-5 constant, value
+    # critic: its own Qwen2.5-0.5B-Instruct, every weight trained (critic.model_path null = model.path), lr 1e-5 constant, value
     # clip 0.5, no warm-up
-    critic.optim.lr=1e-5 critic.optim.lr_scheduler=constant critic.optim.warmup_ratio=0
+    critic.lora_rank=0 critic.optim.lr=1e-5 critic.optim.lr_scheduler=constant critic.optim.warmup_ratio=0
     critic.optim.weight_decay=0.01 critic.cliprange_value=0.5 critic.vf_coef=1.0 critic.warmup_steps=0
     # memory only (no effect on the maths): sequences per forward/backward
     actor.ppo_micro_batch_size_per_device=8 actor.log_prob_micro_batch_size_per_device=16

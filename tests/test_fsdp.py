@@ -77,7 +77,7 @@ def assert_same_metrics(a, b, steps, tol=TOL):
                 assert abs(x - y) <= tol * max(1.0, abs(x)), (step, key, x, y)
 
 
-GAE_FULL = ["algorithm.adv_estimator=gae", "model.lora_rank=0", "algorithm.use_kl_in_reward=true",
+GAE_FULL = ["algorithm.adv_estimator=gae", "model.lora_rank=0", "critic.lora_rank=0", "algorithm.use_kl_in_reward=true",
             "algorithm.kl_ctrl.kl_coef=0.1", "algorithm.use_kl_loss=false", "actor.optim.lr=1e-3",
             "critic.optim.lr=1e-3"]
 GRPO_LORA = ["algorithm.adv_estimator=grpo", "model.lora_rank=8", "model.target_modules=q_proj,v_proj",

@@ -48,7 +48,7 @@ def base_args(root, out):
             "data.train_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=4",
             "trainer.total_steps=3", "trainer.save_freq=2", "trainer.test_freq=2", "trainer.sample_freq=2",
             "trainer.max_kl=0", f"trainer.output_dir={out}", "model.dtype=fp32", "actor.optim.lr=1e-3",
-            "model.lora_rank=8", "model.target_modules=q_proj,v_proj"]
+            "model.lora_rank=8", "model.target_modules=q_proj,v_proj", "algorithm.adv_estimator=grpo"]
 
 
 def run_ppo(root, out, *overrides, nproc=1, expect_ok=True):
