@@ -7,6 +7,7 @@ subprocess runs cover what only a real process shows: exit codes, a clean stderr
 a lock holder killed with SIGKILL.
 """
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -368,3 +369,34 @@ def test_non_finite_names_the_first_bad_weight_or_statistic():
     with torch.no_grad():
         model.bias.fill_(float("inf"))
     assert non_finite(model, {"mean": 0.1, "std": 1.0}) == "weight bias"
+
+
+PAYLOAD = """
+import os, pickle
+class Payload:
+    def __reduce__(self):
+        return (os.system, ("touch {marker}",))
+for path in {paths!r}:
+    with open(path, "wb") as f:
+        pickle.dump(Payload(), f)
+"""
+
+
+def test_resuming_never_unpickles_a_planted_file(workdir, tmp_path):
+    """A checkpoint is safetensors and JSON only: pickles planted where accelerate's and DCP's loaders would
+    unpickle them (custom_checkpoint_0.pkl, the tensors' .metadata, optimizer.bin) are never opened by a
+    default `resume=auto` run, which resumes and finishes, and the payload's marker file never appears."""
+    out, marker = tmp_path / "out", tmp_path / "payload_ran"
+    run_ppo(workdir, out, "trainer.total_steps=2", "trainer.save_freq=1", "trainer.test_freq=0")
+    step = out / "step_2"
+    planted = [str(step / "custom_checkpoint_0.pkl"), str(step / "tensors" / ".metadata"), str(step / "optimizer.bin")]
+    subprocess.run([sys.executable, "-c", PAYLOAD.format(marker=marker, paths=planted)], check=True)
+    for name in ("final", "step_1"):
+        shutil.rmtree(out / name, ignore_errors=True)
+    proc = run_ppo(workdir, out, "trainer.total_steps=3", "trainer.save_freq=1", "trainer.test_freq=0")
+    assert f"resumed from {step} at step 2" in proc.stdout
+    assert [m["step"] for m in read_metrics(out) if m["step"] > 0] == [1, 2, 3]
+    assert not marker.exists(), "a planted pickle was executed"
+    # the payload itself works: unpickling one runs it
+    subprocess.run([sys.executable, "-c", f"import pickle; pickle.load(open({planted[0]!r}, 'rb'))"], check=True)
+    assert marker.exists()
