@@ -378,7 +378,8 @@ def main(cfg: config.Config):
         critic = distribute(critic, accelerator, fsdp, trainable=True)
         critic_opt, critic_sched = make_optimizer(critic, cfg.critic.optim, t.total_steps)
     scorer = Scorer(cfg.reward, device, dtype)  # a reward model is replicated: it only runs forward passes
-    print0(describe(fsdp, accelerator, ["policy"] + ["critic"] * (critic is not None) + ["reference"] * (ref is not None)))
+    print0(describe(fsdp, accelerator, [name for name, model in (("policy", policy), ("critic", critic),
+                                                                  ("reference", ref)) if model is not None]))
     layout = batch_layout(cfg.model, sharded=fsdp is not None)
     if layout == "packed":  # attention within each prompt / prompt+response group of the packed row
         for model in (policy, ref, critic):
@@ -388,8 +389,9 @@ def main(cfg: config.Config):
     # ---- state, resume
     state = TrainState(KLController(alg.kl_ctrl.type, alg.kl_ctrl.kl_coef, alg.kl_ctrl.target_kl,
                                     alg.kl_ctrl.horizon), {"actor": actor_sched, "critic": critic_sched})
-    checkpointed = {"policy": (policy, actor_opt), "critic": (critic, critic_opt)} if critic else {
-        "policy": (policy, actor_opt)}
+    checkpointed = {"policy": (policy, actor_opt)}  # {name: (model, optimiser)} saved beside state.json
+    if critic is not None:
+        checkpointed["critic"] = (critic, critic_opt)
     logger = MetricsLogger(t.output_dir, t.logger, config.to_dict(cfg), t.project_name, t.experiment_name,
                            accelerator.is_main_process, resume_id=wandb_resume_id(t.resume, t.output_dir))
     resume_from, saved_state = resume_or_start(accelerator, t.resume, t.output_dir, logger, cfg, checkpointed)
