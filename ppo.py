@@ -65,11 +65,11 @@ def masked_whiten(x, mask, reduce_sum=None, eps=1e-8):
     """(x − mean) / std over the real tokens of the whole batch; padding stays 0. Biased variance, as in
     lm-human-preferences (verl divides by N − 1). reduce_sum sums a tensor over processes (None: one process),
     so that 2 processes whiten as 1 would."""
-    reduce_sum = reduce_sum or (lambda t: t)
-    total, count = reduce_sum(torch.stack([(x * mask).sum(), mask.sum().to(x.dtype)])).tolist()
+    sums = torch.stack([(x * mask).sum(), (x.square() * mask).sum(), mask.sum()]).double()  # Σx, Σx², N
+    total, total_sq, count = (reduce_sum(sums) if reduce_sum else sums).tolist()
     mean = total / max(count, 1)
-    var = reduce_sum(((x - mean).square() * mask).sum()).item() / max(count, 1)
-    return (x - mean) * torch.rsqrt(torch.tensor(var + eps)) * mask
+    var = max(total_sq / max(count, 1) - mean ** 2, 0.0)
+    return ((x - mean) / (var + eps) ** 0.5 * mask).to(x.dtype)
 
 
 def grpo_advantages(returns, response_mask, n: int, norm_by_std: bool, eps=1e-6):
@@ -106,12 +106,7 @@ def reinforce_plus_plus_advantages(rewards, response_mask, gamma: float, reduce_
         running = rewards[:, t] + gamma * running
         returns[:, t] = running
     returns = returns * response_mask
-    sums = torch.stack([returns.sum(), returns.square().sum(), response_mask.sum()]).double()  # Σ G, Σ G², N
-    if reduce_sum is not None:
-        sums = reduce_sum(sums)
-    mean = sums[0] / sums[2]
-    var = (sums[1] / sums[2] - mean.square()).clamp(min=1e-8)
-    return ((returns - mean) * var.rsqrt()).float() * response_mask, returns
+    return masked_whiten(returns, response_mask, reduce_sum), returns
 
 
 def policy_loss(logprobs, old_logprobs, advantages, clip_low: float, clip_high: float, clip_c: float):
@@ -490,9 +485,7 @@ def main(cfg: config.Config):
         elif alg.adv_estimator == "grpo":
             advantages = grpo_advantages(token_rewards.sum(1), response_mask, n, alg.norm_adv_by_std_in_grpo)
         elif alg.adv_estimator == "reinforce_plus_plus":  # whitened with the statistics of every process
-            advantages, _ = reinforce_plus_plus_advantages(
-                token_rewards, response_mask.float(), alg.gamma,
-                reduce_sum)
+            advantages, _ = reinforce_plus_plus_advantages(token_rewards, response_mask.float(), alg.gamma, reduce_sum)
         else:
             advantages = rloo_advantages(token_rewards.sum(1), response_mask, n)
         batch["advantages"] = advantages
