@@ -330,7 +330,7 @@ def main(cfg: config.Config):
     accelerator = Accelerator(cpu=not torch.cuda.is_available())  # on a CPU, launched processes join over gloo
     print0 = functools.partial(accelerator.print, flush=True)  # rank 0 only; flushed even into a pipe
     # before anything loads: output_dir is this run's alone, a checkpoint fits this config, the inputs exist
-    lock, _, finished = start_run(accelerator, cfg, "trainer")  # the lock is held until the process ends
+    lock, resume_from, finished = start_run(accelerator, cfg, "trainer")  # the lock is held until the process ends
     if finished:
         return None
     check_inputs(cfg)
@@ -388,8 +388,8 @@ def main(cfg: config.Config):
     if critic is not None:
         checkpointed["critic"] = (critic, critic_opt)
     logger = MetricsLogger(t.output_dir, t.logger, config.to_dict(cfg), t.project_name, t.experiment_name,
-                           accelerator.is_main_process, resume_id=wandb_resume_id(t.resume, t.output_dir))
-    resume_from, saved_state = resume_or_start(accelerator, t.resume, t.output_dir, logger, cfg, checkpointed)
+                           accelerator.is_main_process, resume_id=wandb_resume_id(resume_from))
+    saved_state = resume_or_start(accelerator, resume_from, t.output_dir, logger, cfg, checkpointed)
     if resume_from:
         state.load_state_dict(saved_state)
         print0(f"resumed from {resume_from} at step {state.step}")

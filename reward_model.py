@@ -266,7 +266,7 @@ def main(cfg: config.Config):
     set_seed(rm.seed)
     check_loggers(rm.logger, "reward_model.logger")
     # before anything loads: output_dir is this run's alone, a checkpoint fits this config, the model exists
-    lock, _, finished = start_run(accelerator, cfg, "reward_model")  # the lock is held until the process ends
+    lock, resume_from, finished = start_run(accelerator, cfg, "reward_model")  # the lock is held until the process ends
     if finished:
         return
     check_model_path(rm.model_path, "reward_model.model_path")
@@ -298,8 +298,8 @@ def main(cfg: config.Config):
     model.train()
     position = DataPosition()
     logger = MetricsLogger(rm.output_dir, rm.logger, config.to_dict(cfg), rm.project_name, rm.experiment_name,
-                           accelerator.is_main_process, resume_id=wandb_resume_id(rm.resume, rm.output_dir))
-    resume_from, saved_state = resume_or_start(accelerator, rm.resume, rm.output_dir, logger, cfg,
+                           accelerator.is_main_process, resume_id=wandb_resume_id(resume_from))
+    saved_state = resume_or_start(accelerator, resume_from, rm.output_dir, logger, cfg,
                                                {"model": (model, optimizer)})
     if resume_from:
         position.load_state_dict(saved_state)

@@ -167,9 +167,8 @@ def check_loggers(loggers: list, key: str) -> None:
                           f"pip install -r requirements-logging.txt")
 
 
-def wandb_resume_id(resume: str, output_dir: str):
-    """The wandb run id to continue: the one written beside the checkpoint that trainer.resume picks, or None."""
-    path = resolve_resume(resume, output_dir)
+def wandb_resume_id(path):
+    """The wandb run id to continue: the one written beside the checkpoint `path` (start_run's), or None."""
     id_file = path and os.path.join(os.path.dirname(os.path.normpath(path)), WANDB_ID_FILE)
     if id_file and os.path.exists(id_file):
         with open(id_file) as f:
@@ -395,11 +394,10 @@ def resolve_resume(resume: str, output_dir: str, key: str = "trainer.resume"):
     return resume
 
 
-def resume_or_start(accelerator, resume: str, output_dir: str, logger, cfg, models: dict):
-    """Load the checkpoint trainer.resume names into `models` (forgetting metrics logged after it), or start
-    a fresh log; either way write the resolved config.yaml. Returns (checkpoint folder, its saved state)
-    or (None, None)."""
-    path, state = resolve_resume(resume, output_dir), None
+def resume_or_start(accelerator, path, output_dir: str, logger, cfg, models: dict):
+    """Load the checkpoint `path` (start_run's, or None) into `models` (forgetting metrics logged after it), or
+    start a fresh log; either way write the resolved config.yaml. Returns the checkpoint's saved state, or None."""
+    state = None
     if path:
         state = load_training_state(path, models)
         if accelerator.is_main_process:
@@ -411,7 +409,7 @@ def resume_or_start(accelerator, resume: str, output_dir: str, logger, cfg, mode
     if accelerator.is_main_process:
         os.makedirs(output_dir, exist_ok=True)
         config.save(cfg, os.path.join(output_dir, "config.yaml"))
-    return path, state
+    return state
 
 
 def reduce_metrics(accelerator, metrics: dict) -> dict:
