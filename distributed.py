@@ -131,6 +131,29 @@ def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
     return total
 
 
+def train_step(model, optimizer, micro_batches: list, loss_fn, max_grad_norm: float):
+    """One optimiser step: gradients accumulated over the micro-batches, averaged over processes after the last
+    one only (DDP, FSDP2), clipped over every shard, then applied. loss_fn(mb) → (loss, metrics dict).
+
+    A non-finite loss or gradient never reaches the weights: the step is skipped and its grad norm is None
+    (the same on every process, since the norm is taken after the gradients are averaged).
+    Returns (grad norm or None, {metric: [one value per micro-batch]}).
+    """
+    metrics = {}
+    for i, mb in enumerate(micro_batches):
+        with gradient_sync(model, enabled=i == len(micro_batches) - 1):
+            loss, mb_metrics = loss_fn(mb)
+            loss.backward()
+        for key, value in mb_metrics.items():
+            metrics.setdefault(key, []).append(value)
+    grad_norm = clip_grad_norm(model.parameters(), max_grad_norm)
+    finite = bool(torch.isfinite(grad_norm))
+    if finite:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return (grad_norm.item() if finite else None), metrics
+
+
 def full_state_dict(model) -> dict:
     """Every weight whole, on the CPU (a collective under FSDP2: every process calls it)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, StateDictOptions
