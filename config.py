@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import math
 import sys
+import textwrap
 import types
 import typing
 from dataclasses import dataclass, field
@@ -19,16 +20,7 @@ import yaml
 
 
 @dataclass
-class ModelConfig:
-    path: str = "models/SmolLM2-135M-Instruct"
-    """policy checkpoint: a local folder or a hub id (the demo model is made by prepare_model.py)"""
-    tokenizer_path: Optional[str] = None
-    """tokenizer folder; null means `path`"""
-    dtype: Literal["auto", "bf16", "fp32"] = "auto"
-    """compute dtype of training forwards: bf16 = autocast over fp32 master weights; auto = bf16 where the
-    hardware runs it fast (CUDA, or a CPU with native bf16), else fp32"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward pass to save memory"""
+class LoRAFields:
     lora_rank: int = 32
     """LoRA rank; 0 trains all weights"""
     lora_alpha: int = 64
@@ -40,6 +32,19 @@ class ModelConfig:
     """module names that get LoRA adapters"""
     lora_top_layers: int = 8
     """LoRA only in the last N decoder layers (0 = all); the backward pass then stops below them"""
+
+
+@dataclass
+class ModelConfig(LoRAFields):
+    path: str = "models/SmolLM2-135M-Instruct"
+    """policy checkpoint: a local folder or a hub id (the demo model is made by prepare_model.py)"""
+    tokenizer_path: Optional[str] = None
+    """tokenizer folder; null means `path`"""
+    dtype: Literal["auto", "bf16", "fp32"] = "auto"
+    """compute dtype of training forwards: bf16 = autocast over fp32 master weights; auto = bf16 where the
+    hardware runs it fast (CUDA, or a CPU with native bf16), else fp32"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass to save memory"""
     use_remove_padding: bool = False
     """pack training forwards into one row without padding, each distinct prompt once (batches.packed_inputs)"""
     share_prompt_prefix: bool = True
@@ -231,11 +236,11 @@ class RewardConfig:
 
 
 @dataclass
-class TrainerConfig:
+class RunFields:
     total_steps: int = 60
-    """PPO steps (one batch of rollouts each)"""
+    """training steps (ppo.py: one batch of rollouts each; reward_model.py: one optimiser step each)"""
     output_dir: str = "outputs/ppo"
-    """metrics.jsonl, checkpoints, the final model and curves.png go here"""
+    """metrics.jsonl, config.yaml, checkpoints, the final model (and for PPO curves.png) go here"""
     seed: int = 1
     """seed for data order, sampling and initialisation"""
     logger: list[str] = field(default_factory=lambda: ["console"])
@@ -244,6 +249,16 @@ class TrainerConfig:
     """wandb project"""
     experiment_name: str = "default"
     """wandb run name"""
+    save_freq: int = 30
+    """checkpoint every N steps (0 = only at the end)"""
+    keep_checkpoints: int = 2
+    """keep the last N step_* checkpoints"""
+    resume: str = "auto"
+    """auto (latest checkpoint in output_dir), off, or a checkpoint path"""
+
+
+@dataclass
+class TrainerConfig(RunFields):
     sample_freq: int = 10
     """print a table of sampled responses every N steps (0 = never)"""
     num_samples_to_show: int = 4
@@ -252,12 +267,6 @@ class TrainerConfig:
     """validate every N steps (0 = only at the end)"""
     val_before_train: bool = True
     """validate once before the first step"""
-    save_freq: int = 30
-    """checkpoint every N steps (0 = only at the end)"""
-    keep_checkpoints: int = 2
-    """keep the last N step_* checkpoints"""
-    resume: str = "auto"
-    """auto (latest checkpoint in output_dir), off, or a checkpoint path"""
     max_kl: float = 0.1
     """stop (after a checkpoint) when kl/mean, averaged over the last max_kl_window steps, exceeds this (0 = never)"""
     max_kl_window: int = 10
@@ -272,72 +281,8 @@ class TrainerConfig:
 
 
 @dataclass
-class RewardModelConfig:
-    model_path: str = "models/SmolLM2-135M-Instruct"
-    """backbone for the Bradley-Terry reward model: a causal LM folder (a 1-output `score` head is added)"""
-    tokenizer_path: Optional[str] = None
-    """tokenizer folder; null means model_path. It is saved with the reward model and renders PPO's texts"""
-    train_files: str = "data/preferences/train.parquet"
-    """preference parquet: prompt (text or chat messages), chosen, rejected (responses), optional margin"""
-    val_files: Optional[str] = "data/preferences/val.parquet"
-    """validation preference parquet; null disables validation"""
-    val_max_pairs: int = 200
-    """validate on at most this many pairs (0 = all)"""
-    output_dir: str = "outputs/reward_model"
-    """metrics.jsonl, checkpoints, final/ (merged model, tokenizer, reward_stats.json) and final_adapter/"""
-    max_length: int = 96
-    """longest conversation in tokens, after the chat template"""
-    overlong: Literal["truncate", "drop"] = "truncate"
-    """a longer pair: keep its last max_length tokens (the response end, where the reward is read) or drop it"""
-    batch_size: int = 16
-    """pairs per optimiser step, over all processes"""
-    micro_batch_size_per_device: int = 16
-    """pairs per forward/backward on one process (2× as many sequences); accumulation fills the batch"""
-    total_steps: int = 60
-    """optimiser steps; the pairs are reshuffled (seeded) every epoch"""
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=5e-4, warmup_ratio=0.05, min_lr_ratio=0.1))
-    """reward-model optimiser"""
-    max_grad_norm: float = 1.0
-    """gradient clipping norm"""
-    margin: bool = True
-    """subtract the `margin` column inside the sigmoid, −log σ(r_c − r_r − m) (Llama 2); 0 where absent"""
-    center_rewards_coef: float = 0.0
-    """weight of (r_chosen + r_rejected)², which keeps rewards centred on 0 (as TRL's RewardTrainer)"""
-    lora_rank: int = 16
-    """LoRA rank; 0 trains all weights (the `score` head is always trained in full)"""
-    lora_alpha: int = 32
-    """LoRA scaling numerator (scale = alpha / rank)"""
-    lora_dropout: float = 0.0
-    """dropout on the LoRA branch"""
-    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
-                                                               "gate_proj", "up_proj", "down_proj"])
-    """module names that get LoRA adapters"""
-    lora_top_layers: int = 8
-    """LoRA only in the last N decoder layers (0 = all); the backward pass then stops below them"""
-    dtype: Literal["bf16", "fp32"] = "fp32"
-    """compute dtype: bf16 = autocast over fp32 master weights (for GPUs; CPUs without native bf16 run it slower)"""
-    seed: int = 1
-    """seed for the data order and the new head (and LoRA) initialisation"""
-    logger: list[str] = field(default_factory=lambda: ["console"])
-    """any of console, wandb, tensorboard"""
-    project_name: str = "reward_model"
-    """wandb project"""
-    experiment_name: str = "default"
-    """wandb run name"""
-    eval_freq: int = 20
-    """validate every N steps (0 = only at the end)"""
-    save_freq: int = 20
-    """checkpoint every N steps (0 = only at the end)"""
-    keep_checkpoints: int = 2
-    """keep the last N step_* checkpoints"""
-    resume: str = "auto"
-    """auto (latest checkpoint in output_dir), off, or a checkpoint path"""
-    stats_max_pairs: int = 100
-    """training pairs scored at the end for reward_stats.json (0 = all)"""
-
-
-@dataclass
 class Config:
+    """ppo.py's keys."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """policy model"""
     data: DataConfig = field(default_factory=DataConfig)
@@ -354,8 +299,56 @@ class Config:
     """scoring"""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """loop, logging, checkpoints"""
+
+
+@dataclass
+class RewardModelConfig(LoRAFields, RunFields):
+    model_path: str = "models/SmolLM2-135M-Instruct"
+    """backbone for the Bradley-Terry reward model: a causal LM folder (a 1-output `score` head is added)"""
+    tokenizer_path: Optional[str] = None
+    """tokenizer folder; null means model_path. It is saved with the reward model and renders PPO's texts"""
+    dtype: Literal["bf16", "fp32"] = "fp32"
+    """compute dtype: bf16 = autocast over fp32 master weights (for GPUs; CPUs without native bf16 run it slower)"""
+    lora_rank: int = 16
+    """LoRA rank; 0 trains all weights (the `score` head is always trained in full)"""
+    lora_alpha: int = 32
+    train_files: str = "data/preferences/train.parquet"
+    """preference parquet: prompt (text or chat messages), chosen, rejected (responses), optional margin"""
+    val_files: Optional[str] = "data/preferences/val.parquet"
+    """validation preference parquet; null disables validation"""
+    val_max_pairs: int = 200
+    """validate on at most this many pairs (0 = all)"""
+    max_length: int = 96
+    """longest conversation in tokens, after the chat template"""
+    overlong: Literal["truncate", "drop"] = "truncate"
+    """a longer pair: keep its last max_length tokens (the response end, where the reward is read) or drop it"""
+    batch_size: int = 16
+    """pairs per optimiser step, over all processes"""
+    micro_batch_size_per_device: int = 16
+    """pairs per forward/backward on one process (2× as many sequences); accumulation fills the batch"""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=5e-4, warmup_ratio=0.05, min_lr_ratio=0.1))
+    """reward-model optimiser"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    margin: bool = True
+    """subtract the `margin` column inside the sigmoid, −log σ(r_c − r_r − m) (Llama 2); 0 where absent"""
+    center_rewards_coef: float = 0.0
+    """weight of (r_chosen + r_rejected)², which keeps rewards centred on 0 (as TRL's RewardTrainer)"""
+    output_dir: str = "outputs/reward_model"
+    """metrics.jsonl, config.yaml, checkpoints, final/ (merged model, tokenizer, reward_stats.json), final_adapter/"""
+    project_name: str = "reward_model"
+    eval_freq: int = 20
+    """validate every N steps (0 = only at the end)"""
+    save_freq: int = 20
+    stats_max_pairs: int = 100
+    """training pairs scored at the end for reward_stats.json (0 = all)"""
+
+
+@dataclass
+class RewardModelStage:
+    """reward_model.py's keys: one section, `reward_model:` in configs.yaml."""
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
-    """the reward-model training stage (reward_model.py)"""
+    """the Bradley-Terry reward model (reward_model.py)"""
 
 
 # ---------------------------------------------------------------------------------------
@@ -469,6 +462,8 @@ def load_config(path: Optional[str] = None, overrides: tuple = (), root=Config):
         elif not isinstance(tree, dict):
             raise ConfigError(f"config file {path} must hold a mapping of sections (model:, data:, …), "
                               f"got {tree!r:.80}")
+    other = {f.name for r in (Config, RewardModelStage) if r is not root for f in dataclasses.fields(r)}
+    tree = {k: v for k, v in tree.items() if k not in other}  # configs.yaml holds both entry points' sections
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override `{item}` must look like key=value, e.g. trainer.total_steps=20")
@@ -517,22 +512,52 @@ def check_ranges(cfg, prefix: str = "") -> None:
                 raise ConfigError(f"config key `{prefix + f.name}` must be in {interval}, got {x}")
 
 
-def field_docs(cls) -> dict[str, str]:
-    """The string literal under each field of every dataclass in this file, by dotted key."""
-    docs, tree = {}, ast.parse(open(__file__).read())
-    classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
-
-    def walk(cls, prefix):
-        body = classes[cls.__name__].body
-        for stmt, nxt in zip(body, body[1:] + [None]):
-            if isinstance(stmt, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-                name, tp = stmt.target.id, typing.get_type_hints(cls)[stmt.target.id]
-                if dataclasses.is_dataclass(tp):
-                    walk(tp, prefix + name + ".")
-                else:
-                    docs[prefix + name] = nxt.value.value
-    walk(cls, "")
+def _docs_by_class() -> dict[str, dict[str, str]]:
+    """{class name: {field: the string literal under it}} for every dataclass in this file."""
+    docs = {}
+    for node in ast.parse(open(__file__).read()).body:
+        if isinstance(node, ast.ClassDef):
+            docs[node.name] = {stmt.target.id: nxt.value.value for stmt, nxt in zip(node.body, node.body[1:])
+                               if isinstance(stmt, ast.AnnAssign) and isinstance(nxt, ast.Expr)
+                               and isinstance(nxt.value, ast.Constant)}
     return docs
+
+
+def field_docs(cls, prefix: str = "", docs=None) -> dict[str, str]:
+    """Every key of `cls` → its documentation; a field redeclared without one (a new default) keeps its base's."""
+    docs, out = docs or _docs_by_class(), {}
+    for f in dataclasses.fields(cls):
+        tp = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(tp):
+            out.update(field_docs(tp, prefix + f.name + ".", docs))
+        else:
+            out[prefix + f.name] = next(docs[c.__name__][f.name] for c in cls.__mro__
+                                        if f.name in docs.get(c.__name__, {}))
+    return out
+
+
+def to_yaml(roots: tuple = ()) -> str:
+    """configs.yaml: every key of ppo.py and reward_model.py with its default and, above it, its documentation.
+    Generated by `python config.py > configs.yaml`: the dataclasses above are the one source of every default."""
+    lines = ["# Every key of ppo.py and reward_model.py, with its default. Generated from config.py (edit the defaults",
+             "# there, then: python config.py > configs.yaml). An experiment writes only what it changes, in its own",
+             "# YAML file or on the command line: accelerate launch ppo.py --config configs.yaml trainer.total_steps=20"]
+    for root in roots or (Config, RewardModelStage):
+        docs = field_docs(root)
+
+        def walk(obj, prefix, indent):
+            for f in dataclasses.fields(obj):
+                value = getattr(obj, f.name)
+                if dataclasses.is_dataclass(value):
+                    lines.extend([""] * (indent == "") + [f"{indent}{f.name}:"])
+                    walk(value, f"{prefix}{f.name}.", indent + "  ")
+                    continue
+                doc = " ".join(docs[prefix + f.name].split())
+                lines.extend(f"{indent}# {part}" for part in textwrap.wrap(doc, 116 - len(indent)))
+                text = yaml.safe_dump(value, default_flow_style=True, width=10**9).removesuffix("\n...\n").strip()
+                lines.append(f"{indent}{f.name}: {text}")
+        walk(root(), "", "")
+    return "\n".join(lines) + "\n"
 
 
 def parse_args(argv: list[str], doc: str, root=Config):
@@ -581,15 +606,13 @@ FIXED_ON_RESUME = {"model.path", "model.tokenizer_path", "model.lora_rank", "mod
                    "reward_model.target_modules", "reward_model.lora_top_layers", "reward_model.batch_size"}
 
 
-def resume_changes(cfg, saved_path: str, stage: str) -> list[str]:
-    """How `cfg` differs from the config.yaml saved by the run being resumed, over the keys of `stage`
-    ("reward_model": reward_model.*, else every other key): "key old → new" for each key that may change,
-    a ConfigError for one in FIXED_ON_RESUME. A key the saved file lacks (an older version) is skipped."""
+def resume_changes(cfg, saved_path: str) -> list[str]:
+    """How `cfg` differs from the config.yaml saved by the run being resumed: "key old → new" for each key that
+    may change, a ConfigError for one in FIXED_ON_RESUME. A key the saved file lacks (an older version) is skipped."""
     with open(saved_path) as f:
         saved = flatten(yaml.safe_load(f) or {})
     now = flatten(to_dict(cfg))
-    changed = [k for k, v in now.items() if k in saved and saved[k] != v
-               and k.startswith("reward_model.") == (stage == "reward_model")]
+    changed = [k for k, v in now.items() if k in saved and saved[k] != v]
     for key in changed:
         if key in FIXED_ON_RESUME:
             raise ConfigError(f"`{key}` cannot change on resume (it was {saved[key]!r} in {saved_path}, now "
@@ -601,3 +624,7 @@ def save(cfg, path: str) -> None:
     """The resolved config, overrides applied: `--config` this file to rerun the same experiment."""
     with open(path, "w") as f:
         yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+
+
+if __name__ == "__main__":  # python config.py > configs.yaml
+    print(to_yaml(), end="")

@@ -441,7 +441,7 @@ class RewardModelScorer:
 
 if __name__ == "__main__":
     try:
-        main(config.parse_args(sys.argv[1:], __doc__))
+        main(config.parse_args(sys.argv[1:], __doc__, root=config.RewardModelStage))
     except (config.ConfigError, data.DataError) as e:  # a user's mistake: one sentence, no traceback
         sys.exit(f"reward_model.py: {e}" if os.environ.get("RANK", "0") == "0" else 1)  # once, from rank 0
     except KeyboardInterrupt:  # Ctrl-C while loading, or a second signal while training

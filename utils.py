@@ -327,7 +327,7 @@ def start_run(accelerator, cfg, stage: str):
     if path is None:
         return lock, None, False
     saved = os.path.join(os.path.dirname(os.path.normpath(path)), "config.yaml")
-    changes = config.resume_changes(cfg, saved, stage) if os.path.exists(saved) else []
+    changes = config.resume_changes(cfg, saved) if os.path.exists(saved) else []
     if changes:
         accelerator.print(f"changed since {path}: " + ", ".join(changes))
     step = checkpoint_step(path)

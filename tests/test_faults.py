@@ -64,7 +64,7 @@ def rm_args(root, out):
 
 
 def rm_config(root, out, *overrides):
-    return config.load_config(f"{REPO}/configs.yaml", rm_args(root, out) + list(overrides))
+    return config.load_config(f"{REPO}/configs.yaml", rm_args(root, out) + list(overrides), root=config.RewardModelStage)
 
 
 def checkpoint_of(root, out, *overrides):
