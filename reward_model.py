@@ -47,8 +47,9 @@ from tqdm import tqdm
 
 import config
 import data
-from distributed import clip_grad_norm, distribute, fsdp_from_launcher, gradient_sync
-from utils import (autocast, autocast_dtype, check_loggers, check_model_path, console_line, exact_div,
+from distributed import distribute, fsdp_from_launcher, train_step
+from rollout import right_pad
+from utils import (add_lora, autocast, autocast_dtype, check_loggers, check_model_path, console_line, exact_div,
                    load_tokenizer, make_optimizer, MetricsLogger, restore_schedule, resume_or_start, save_checkpoint,
                    save_pretrained_atomic, start_run, StopSignal, wandb_resume_id)
 
@@ -147,19 +148,11 @@ def load_pairs(path: str, tokenizer, max_length: int, overlong: str, use_margin:
     return pairs, {**stats, "truncated": truncated, "overlong_dropped": dropped, "used": len(pairs)}
 
 
-def pad_right(seqs: list[list[int]], pad_id: int, device):
-    """input_ids and attention_mask (B, T), T the longest sequence."""
-    T = max(len(s) for s in seqs)
-    input_ids = torch.tensor([s + [pad_id] * (T - len(s)) for s in seqs], device=device)  # (B, T)
-    attention_mask = torch.tensor([[1] * len(s) + [0] * (T - len(s)) for s in seqs], device=device)  # (B, T)
-    return input_ids, attention_mask
-
-
 def score_pairs(model, pairs, pad_id: int, device, dtype):
     """Chosen and rejected in one forward → r_chosen, r_rejected, margin, each (B,)."""
-    input_ids, attention_mask = pad_right([p[0] for p in pairs] + [p[1] for p in pairs], pad_id, device)
+    input_ids, attention_mask = right_pad([p[0] for p in pairs] + [p[1] for p in pairs], pad_id)  # (2B, T) each
     with autocast(device, dtype):
-        r = model(input_ids, attention_mask)  # (2B,)
+        r = model(input_ids.to(device), attention_mask.to(device))  # (2B,)
     margin = torch.tensor([p[2] for p in pairs], device=device)
     return r[:len(pairs)], r[len(pairs):], margin
 
@@ -241,14 +234,7 @@ def load_reward_model(rm, pad_id: int):
     model = AutoModelForSequenceClassification.from_pretrained(rm.model_path, num_labels=1, pad_token_id=pad_id,
                                                                dtype=torch.float32)
     if rm.lora_rank > 0:
-        from peft import LoraConfig, get_peft_model
-
-        n_layers = model.config.get_text_config().num_hidden_layers
-        top = list(range(n_layers - rm.lora_top_layers, n_layers)) if 0 < rm.lora_top_layers < n_layers else None
-        lora = LoraConfig(r=rm.lora_rank, lora_alpha=rm.lora_alpha, lora_dropout=rm.lora_dropout,
-                          target_modules=list(rm.target_modules), layers_to_transform=top,
-                          task_type="SEQ_CLS")  # SEQ_CLS: `score` is trained in full and saved
-        model = get_peft_model(model, lora)
+        model = add_lora(model, rm.lora_rank, rm.lora_alpha, rm, "SEQ_CLS")  # SEQ_CLS: `score` trained in full, saved
     return RewardModel(model)
 
 
@@ -306,6 +292,14 @@ def main(cfg: config.Config):
         restore_schedule(scheduler, saved_state["lr_steps"])
         print0(f"resumed from {resume_from} at step {position.step}")
 
+    def pair_loss(pairs):
+        """One micro-batch: its share of the whole batch's mean loss (DDP averages over processes), and the
+        sums over its pairs of the loss, correct, r_c − r_r, r_c, r_r."""
+        r_c, r_r, m = score_pairs(model, pairs, pad_id, device, dtype)
+        loss = bradley_terry_loss(r_c, r_r, m, rm.center_rewards_coef)
+        sums = torch.stack([loss.sum(), (r_c > r_r).sum(), (r_c - r_r).sum(), r_c.sum(), r_r.sum()])
+        return loss.sum() / local, {"sums": sums.detach()}
+
     stop_signal = StopSignal(verbose=accelerator.is_main_process)
     bar = tqdm(range(position.step, rm.total_steps), initial=position.step, total=rm.total_steps,
                disable=not accelerator.is_main_process, dynamic_ncols=True)
@@ -315,32 +309,20 @@ def main(cfg: config.Config):
         batch = [train_pairs[i] for i in batch_indices(step, len(train_pairs), rm.batch_size, rm.seed)]
         mine = batch[accelerator.process_index * local:(accelerator.process_index + 1) * local]
 
-        # ---- 2. forward/backward per micro-batch; each loss is a share of the whole batch's mean
-        sums = torch.zeros(5, device=device)  # loss, correct, r_c − r_r, r_c, r_r
-        for i in range(0, local, micro):
-            sync = i + micro == local  # all-reduce gradients once, after the last micro-batch
-            with gradient_sync(model, enabled=sync):
-                r_c, r_r, m = score_pairs(model, mine[i:i + micro], pad_id, device, dtype)
-                loss = bradley_terry_loss(r_c, r_r, m, rm.center_rewards_coef)
-                (loss.sum() / local).backward()  # DDP averages over processes → mean over the batch
-            sums += torch.stack([loss.sum(), (r_c > r_r).sum(), (r_c - r_r).sum(), r_c.sum(), r_r.sum()]).detach()
-
-        # ---- 3. clip, step, schedule
-        grad_norm = clip_grad_norm(model.parameters(), rm.max_grad_norm)
+        # ---- 2.–3. score and backward per micro-batch, then clip and step (skipped when not finite); schedule
         lr = scheduler.get_last_lr()[0]
-        if torch.isfinite(grad_norm):  # a non-finite loss or gradient never reaches the weights: skip the step
-            optimizer.step()
-        else:
+        micro_batches = [mine[i:i + micro] for i in range(0, local, micro)]
+        grad_norm, per_micro = train_step(model, optimizer, micro_batches, pair_loss, rm.max_grad_norm)
+        if grad_norm is None:  # a non-finite loss or gradient: train_step left the weights as they were
             position.skipped += 1
         scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
         position.step = step + 1
 
         # ---- 4. metrics: sums over all processes, divided by the batch
-        sums = (accelerator.reduce(sums, "sum") / rm.batch_size).tolist()
+        sums = (accelerator.reduce(sum(per_micro["sums"]), "sum") / rm.batch_size).tolist()
         metrics = {"rm/loss": sums[0], "rm/accuracy": sums[1], "rm/margin": sums[2], "rm/chosen_mean": sums[3],
-                   "rm/rejected_mean": sums[4], "rm/grad_norm": float(grad_norm), "lr": lr,
-                   "train/skipped_steps": position.skipped}
+                   "rm/rejected_mean": sums[4], "rm/grad_norm": math.nan if grad_norm is None else grad_norm,
+                   "lr": lr, "train/skipped_steps": position.skipped}
 
         # ---- 5. validate every eval_freq steps and at the end
         last = step + 1 == rm.total_steps
@@ -427,10 +409,9 @@ class RewardModelScorer:
         ids = data.tokenize_prompts(texts, self.tokenizer)
         scores = []
         for i in range(0, len(ids), self.micro_batch_size):
-            input_ids, attention_mask = pad_right(ids[i:i + self.micro_batch_size], self.tokenizer.pad_token_id,
-                                                  self.device)
+            input_ids, attention_mask = right_pad(ids[i:i + self.micro_batch_size], self.tokenizer.pad_token_id)
             with autocast(self.device, self.dtype):
-                scores.append(self.model(input_ids, attention_mask))  # (b,)
+                scores.append(self.model(input_ids.to(self.device), attention_mask.to(self.device)))  # (b,)
         scores = torch.cat(scores)  # (B,)
         if self.stats is not None:
             scores = (scores - self.stats["mean"]) / max(self.stats["std"], 1e-8)

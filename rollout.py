@@ -1,7 +1,8 @@
 """Rollout backends: sample `n` responses per prompt from the current policy.
 
 Both backends return the same `Rollout`, row `i·n + j` holding sample j of prompt i:
-    responses      (B·n, Tr)  token ids, right-padded with the pad id
+    responses      (B·n, Tr)  token ids, right-padded with the tokenizer's pad id (a tokenizer from
+                              utils.load_tokenizer, which makes EOS the pad where there is none)
     response_mask  (B·n, Tr)  1 = a real response token (the EOS included), 0 = padding
     logprobs       (B·n, Tr)  the sampler's log-probabilities, or None where the backend has none
 
@@ -26,26 +27,22 @@ class Rollout:
     logprobs: Optional[torch.Tensor] = None  # (B·n, Tr)
 
 
-def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token lists → (ids, mask), both (B, T), padded on the left so that every row ends together."""
-    T = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
+def right_pad(seqs: list[list], pad, dtype=torch.long) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lists → (values, mask), both (B, T), T ≥ 1, padded on the right with `pad`; mask 1 = a real entry."""
+    T = max(1, max(len(s) for s in seqs))
+    values = torch.full((len(seqs), T), pad, dtype=dtype)
     mask = torch.zeros((len(seqs), T), dtype=torch.long)
     for i, s in enumerate(seqs):
-        if s:
-            ids[i, T - len(s):] = torch.tensor(s)
-            mask[i, T - len(s):] = 1
-    return ids, mask
+        values[i, :len(s)] = torch.tensor(s, dtype=dtype)
+        mask[i, :len(s)] = 1
+    return values, mask
 
 
-def right_pad(seqs: list[list], pad, dtype=torch.long) -> torch.Tensor:
-    """Lists → (B, T) tensor padded on the right with `pad`."""
-    T = max(1, max(len(s) for s in seqs))
-    out = torch.full((len(seqs), T), pad, dtype=dtype)
-    for i, s in enumerate(seqs):
-        if s:
-            out[i, :len(s)] = torch.tensor(s, dtype=dtype)
-    return out
+def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists → (ids, mask), both (B, T), padded on the left so that every row ends together:
+    right padding of the reversed lists, reversed."""
+    ids, mask = right_pad([s[::-1] for s in seqs], pad_id)
+    return ids.flip(1), mask.flip(1)
 
 
 def cut_at_eos(tokens: list[int], eos_ids: set[int]) -> list[int]:
@@ -72,7 +69,7 @@ class HFRollout:
 
     def __init__(self, model, tokenizer, cfg, autocast_dtype=None, synced_gpus=False):
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.pad_id = tokenizer.pad_token_id
         self.eos_ids = eos_ids_of(tokenizer, model)
         self.autocast_dtype = autocast_dtype
         self.synced_gpus = synced_gpus  # FSDP: every rank must run the same number of forwards
@@ -100,9 +97,7 @@ class HFRollout:
             new = out[:, ids.shape[1]:].tolist()
             responses += new if cfg.ignore_eos else [cut_at_eos(row, self.eos_ids) for row in new]
         self.model.train(was_training)
-        lengths = [len(r) for r in responses]
-        responses = right_pad(responses, self.pad_id)  # (B·n, Tr)
-        response_mask = (torch.arange(responses.shape[1])[None, :] < torch.tensor(lengths)[:, None]).long()
+        responses, response_mask = right_pad(responses, self.pad_id)  # (B·n, Tr) each
         return Rollout(responses, response_mask, None)
 
     def sync_weights(self, model) -> None:
@@ -156,7 +151,7 @@ class VLLMRollout:
         from vllm import LLM
 
         self.cfg, self.unwrap = cfg.rollout, unwrap
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.pad_id = tokenizer.pad_token_id
         self.eos_ids = eos_ids_of(tokenizer, unwrap(model))
         self.dtype = autocast_dtype(cfg.rollout.dtype) or torch.float32
         self.sleeps = cfg.rollout.free_cache_engine and torch.cuda.is_available()
@@ -212,10 +207,8 @@ class VLLMRollout:
         if self.sleeps:
             self.llm.sleep(level=1)
             self.asleep = {"weights", "kv_cache"}
-        lengths = torch.tensor([len(r) for r in responses])
-        responses = right_pad(responses, self.pad_id)  # (B·n, Tr)
-        response_mask = (torch.arange(responses.shape[1])[None, :] < lengths[:, None]).long()  # (B·n, Tr)
-        logprobs = right_pad(logprobs, 0.0, dtype=torch.float32)  # (B·n, Tr)
+        responses, response_mask = right_pad(responses, self.pad_id)  # (B·n, Tr) each
+        logprobs, _ = right_pad(logprobs, 0.0, dtype=torch.float32)  # (B·n, Tr)
         return Rollout(responses, response_mask, logprobs)
 
     @torch.no_grad()

@@ -22,8 +22,7 @@ def random_batch(B=6, vocab=200, seed=0, n=1):
     prompts = [p for p in prompts for _ in range(n)]
     responses = [torch.randint(3, vocab, (int(n),), generator=g).tolist() for n in torch.randint(1, 9, (B,), generator=g)]
     queries, query_mask = left_pad(prompts, 2)
-    resp = right_pad(responses, 2)
-    response_mask = (torch.arange(resp.shape[1])[None] < torch.tensor([len(r) for r in responses])[:, None]).long()
+    resp, response_mask = right_pad(responses, 2)
     return dict(queries=queries, query_mask=query_mask, responses=resp, response_mask=response_mask)
 
 
