@@ -32,6 +32,8 @@ import signal
 import sys
 import time
 from collections import defaultdict
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from accelerate import Accelerator
@@ -43,8 +45,7 @@ import data
 from batches import (batch_layout, forward_logprobs, forward_values, micro_batch, per_token_pass, split_micro,
                      use_varlen_attention)
 from critic import explained_variance, gae, load_critic, value_loss
-from distributed import (clip_grad_norm, describe, distribute, fsdp_from_launcher, full_state_dict, gradient_sync,
-                         load_training_state, save_training_state)
+from distributed import describe, distribute, fsdp_from_launcher, full_state_dict, train_step
 from kl import KLController, kl_estimate, kl_penalty_rewards
 from rewards import check_data_sources, load_reward_function, rule_for, Scorer, score_responses
 from rollout import HFRollout, left_pad, make_rollout
@@ -52,6 +53,10 @@ from utils import (add_lora, autocast_dtype, check_loggers, check_model_path, co
                    load_reference, load_tokenizer, make_optimizer, MetricsLogger, plot_curves, reduce_metrics,
                    restore_schedule, resume_or_start, sample_table, save_checkpoint, save_pretrained_atomic, start_run,
                    StopSignal, timed, use_gradient_checkpointing, wandb_resume_id)
+
+CONSOLE_KEYS = ["score/mean", "reward/mean", "kl/mean", "policy/entropy", "policy/clipfrac", "loss/policy",
+                "loss/value", "value/explained_var", "response/length_mean", "val/score/mean", "val/rule_score/mean",
+                "time/step_s"]
 
 # ---------------------------------------------------------------------------------------
 # Math: small pure functions, each a line of a paper
@@ -156,66 +161,70 @@ def agg_loss(loss_mat, mask, mode: str, num_tokens: float, num_seqs: float):
 
 
 # ---------------------------------------------------------------------------------------
-# Updates
+# Losses: one micro-batch each, returning (loss, metrics)
 
 
-def train_mini_batch(model, optimizer, micro_batches, loss_fn, max_grad_norm: float):
-    """Accumulate gradients over the micro-batches, then one clipped optimiser step.
+@dataclass(frozen=True)
+class Forward:
+    """How this run's training forwards read a micro-batch: fixed for the run, bound once in main."""
+    temperature: float  # the sampler's: log-probabilities of softmax(logits / T)
+    dtype: Optional[torch.dtype]  # autocast dtype (None: fp32)
+    layout: str  # "padded", "shared" or "packed" (batches.batch_layout)
 
-    A non-finite loss or gradient never reaches the weights: the step is skipped (returns None).
-    DDP and FSDP2 average gradients over processes only after the last micro-batch.
-    """
-    for i, mb in enumerate(micro_batches):
-        with gradient_sync(model, enabled=i == len(micro_batches) - 1):
-            loss_fn(mb).backward()
-    grad_norm = clip_grad_norm(model.parameters(), max_grad_norm)
-    finite = bool(torch.isfinite(grad_norm))  # the same on every process: gradients are already averaged
-    if finite:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return grad_norm.item() if finite else None
+    def logprobs(self, model, mb, with_entropy: bool = False):
+        """log π(y_t | prefix) of the response tokens, and their entropies when with_entropy: (B, Tr) each."""
+        return forward_logprobs(model, mb, self.temperature, self.dtype, with_entropy=with_entropy, layout=self.layout)
+
+    def values(self, critic, mb):
+        """V(s_t) before each response token: (B, Tr)."""
+        return forward_values(critic, mb, self.dtype, layout=self.layout)
 
 
-def actor_loss(cfg, policy, mb, temperature, dtype, layout, norm, on_policy, use_ref, first_epoch, stats):
-    """Clipped policy loss (× rollout importance weight) − entropy bonus + KL loss, for one micro-batch."""
-    alg, mask = cfg.algorithm, mb["response_mask"].float()
-    logprobs, entropy = forward_logprobs(policy, mb, temperature, dtype, True, layout)
-    old = logprobs.detach() if on_policy else mb["old_logprobs"]  # departure 3
-    pg, clipped = policy_loss(logprobs, old, mb["advantages"], cfg.actor.clip_ratio_low,
-                              cfg.actor.clip_ratio_high, cfg.actor.clip_ratio_c)
+def actor_loss(policy, mb, cfg, fwd: Forward, counts: tuple):
+    """Clipped policy loss (× truncated rollout importance weight) − entropy bonus + KL loss: this micro-batch's
+    share of the mini-batch's loss (`counts`: its tokens and sequences, departure 4), and its metrics."""
+    alg, actor, mask = cfg.algorithm, cfg.actor, mb["response_mask"].float()
+    logprobs, entropy = fwd.logprobs(policy, mb, with_entropy=True)  # (B, Tr) each
+    old_logprobs = mb["old_logprobs"] if "old_logprobs" in mb else logprobs.detach()  # departure 3
+    pg, clipped = policy_loss(logprobs, old_logprobs, mb["advantages"], actor.clip_ratio_low, actor.clip_ratio_high,
+                              actor.clip_ratio_c)
+    metrics = {}
     if "rollout_logprobs" in mb:  # departure 2: how far the sampler was from the training model
         level = "sequence" if alg.rollout_is == "sequence" else "token"  # off: token weights, logged only
-        is_weight = rollout_is_weights(old, mb["rollout_logprobs"], mask, level, alg.rollout_is_threshold)
+        is_weight = rollout_is_weights(old_logprobs, mb["rollout_logprobs"], mask, level, alg.rollout_is_threshold)
         if alg.rollout_is != "off":
             pg = pg * is_weight
-        diff = (old - mb["rollout_logprobs"]).abs() * mask
-        stats["rollout/is_weight_mean"].append(masked_mean(is_weight, mask).item())
-        stats["rollout/logprob_diff_mean"].append(masked_mean(diff, mask).item())
-        stats["rollout/logprob_diff_max"].append(diff.max().item())
-        stats["rollout/ratio_mean"].append(masked_mean((old - mb["rollout_logprobs"]).exp(), mask).item())
-    loss_mat = pg - cfg.actor.entropy_coef * entropy
-    if use_ref:
+        log_ratio = old_logprobs - mb["rollout_logprobs"]  # (B, Tr)
+        metrics.update({"rollout/is_weight_mean": masked_mean(is_weight, mask).item(),
+                        "rollout/logprob_diff_mean": masked_mean(log_ratio.abs(), mask).item(),
+                        "rollout/logprob_diff_max": (log_ratio.abs() * mask).max().item(),
+                        "rollout/ratio_mean": masked_mean(log_ratio.exp(), mask).item()})
+    loss = pg - actor.entropy_coef * entropy  # (B, Tr)
+    if "ref_logprobs" in mb:
         if alg.use_kl_loss:
-            loss_mat = loss_mat + alg.kl_loss_coef * kl_estimate(logprobs, mb["ref_logprobs"], alg.kl_loss_type)
-        if first_epoch:  # kl/mean: the rollout policy's distance from the reference, as penalised, else k1:
-            # unbiased like k3, without k3's heavy tail (r − 1 − log r for a token π has nearly dropped)
-            kind = alg.kl_penalty if alg.use_kl_in_reward else "k1"
-            stats["kl/mean"].append(masked_mean(kl_estimate(old, mb["ref_logprobs"], kind), mask).item())
-    stats["loss/policy"].append(masked_mean(pg.detach(), mask).item())
-    stats["policy/clipfrac"].append(masked_mean(clipped, mask).item())
-    stats["policy/approx_kl"].append(masked_mean(kl_estimate(old, logprobs.detach(), "k3"), mask).item())
-    stats["policy/entropy"].append(masked_mean(entropy.detach(), mask).item())
-    return agg_loss(loss_mat, mask, cfg.actor.loss_agg_mode, *norm)
+            loss = loss + alg.kl_loss_coef * kl_estimate(logprobs, mb["ref_logprobs"], alg.kl_loss_type)
+        # kl/mean: the rollout policy's distance from the reference, as penalised, else k1: unbiased like k3,
+        # without k3's heavy tail (r − 1 − log r for a token the policy has nearly dropped)
+        kind = alg.kl_penalty if alg.use_kl_in_reward else "k1"
+        metrics["kl/mean"] = masked_mean(kl_estimate(old_logprobs, mb["ref_logprobs"], kind), mask).item()
+    metrics.update({"loss/policy": masked_mean(pg.detach(), mask).item(),
+                    "policy/clipfrac": masked_mean(clipped, mask).item(),
+                    "policy/approx_kl": masked_mean(kl_estimate(old_logprobs, logprobs.detach(), "k3"), mask).item(),
+                    "policy/entropy": masked_mean(entropy.detach(), mask).item()})
+    return agg_loss(loss, mask, actor.loss_agg_mode, *counts), metrics
 
 
-def critic_loss(cfg, critic, mb, dtype, layout, norm, stats):
-    """vf_coef · clipped value loss, token-mean over the mini-batch, for one micro-batch."""
+def critic_loss(critic, mb, cfg, fwd: Forward, counts: tuple):
+    """vf_coef · clipped value loss, this micro-batch's share of the mini-batch's token-mean, and its metrics."""
     mask = mb["response_mask"].float()
-    values = forward_values(critic, mb, dtype, layout)
-    vf, vf_clipfrac = value_loss(values, mb["values"], mb["returns"], mask, cfg.critic.cliprange_value)
-    stats["loss/value"].append(masked_mean(vf.detach(), mask).item())
-    stats["value/clipfrac"].append(vf_clipfrac.item())
-    return cfg.critic.vf_coef * agg_loss(vf, mask, "token-mean", *norm)
+    values = fwd.values(critic, mb)  # (B, Tr)
+    vf, clipfrac = value_loss(values, mb["old_values"], mb["returns"], mask, cfg.critic.cliprange_value)
+    metrics = {"loss/value": masked_mean(vf.detach(), mask).item(), "value/clipfrac": clipfrac.item()}
+    return cfg.critic.vf_coef * agg_loss(vf, mask, "token-mean", *counts), metrics
+
+
+# ---------------------------------------------------------------------------------------
+# The run's state and sizes
 
 
 class TrainState:
@@ -286,25 +295,42 @@ def validate(cfg, rollout, tokenizer, scorer, val_rows, accelerator):
     return metrics
 
 
-def check_sizes(cfg, world: int, num_rows: int) -> dict:
-    """Every derived batch size, computed once; one that does not divide fails here with a sentence."""
+@dataclass(frozen=True)
+class Sizes:
+    """Batch sizes derived from the config, computed and checked once (check_sizes); per process unless said."""
+    prompts: int  # prompts per step
+    batch: int  # B: sequences per step (prompts × rollout.n)
+    num_mini: int  # mini-batches (optimiser steps) per PPO epoch, the same on every process
+    mini: int  # sequences per mini-batch
+    actor_micro: int  # sequences per actor forward/backward (gradient accumulation fills the mini-batch)
+    critic_micro: int  # sequences per critic forward/backward
+
+
+def check_sizes(cfg, world: int, num_rows: int) -> Sizes:
+    """Every derived batch size; one that does not divide fails here with a sentence, before any model loads."""
     d, a, n = cfg.data, cfg.actor, cfg.rollout.n
     if cfg.algorithm.adv_estimator in ("grpo", "rloo") and n < 2:
         raise config.ConfigError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares the samples of a "
-                         f"prompt: set rollout.n ≥ 2 (it is {n})")
+                                 f"prompt: set rollout.n ≥ 2 (it is {n})")
     if num_rows < d.train_batch_size:
         raise config.ConfigError(f"data.train_files has {num_rows} usable prompts, fewer than "
-                         f"data.train_batch_size={d.train_batch_size}")
+                                 f"data.train_batch_size={d.train_batch_size}")
     prompts = exact_div(d.train_batch_size, world, "data.train_batch_size across processes")
     num_mini = exact_div(d.train_batch_size, a.ppo_mini_batch_size,
                          "data.train_batch_size by actor.ppo_mini_batch_size (prompts per mini-batch)")
     mini = exact_div(a.ppo_mini_batch_size * n, world, "actor.ppo_mini_batch_size × rollout.n across processes")
-    micro = min(a.ppo_micro_batch_size_per_device, mini)
-    exact_div(mini, micro, "sequences per mini-batch on one process by actor.ppo_micro_batch_size_per_device")
+    actor_micro = min(a.ppo_micro_batch_size_per_device, mini)
+    exact_div(mini, actor_micro, "sequences per mini-batch on one process by actor.ppo_micro_batch_size_per_device")
     critic_micro = min(cfg.critic.ppo_micro_batch_size_per_device, mini)
     exact_div(mini, critic_micro, "sequences per mini-batch on one process by critic.ppo_micro_batch_size_per_device")
-    return dict(prompts=prompts, num_mini=num_mini, mini=mini, micro=micro, critic_micro=critic_micro,
-                batch=prompts * n)
+    return Sizes(prompts, prompts * n, num_mini, mini, actor_micro, critic_micro)
+
+
+def step_seed(seed: int, step: int, stream: int) -> int:
+    """The seed of one random stream of one step: seed·100_003 + step·1_009 + stream, with two primes so that no
+    two (seed, step) pairs give the same number. stream: the process index for sampling, −1 for the mini-batch
+    order (the same on every process)."""
+    return seed * 100_003 + step * 1_009 + stream
 
 
 def check_inputs(cfg) -> None:
@@ -326,6 +352,82 @@ def check_inputs(cfg) -> None:
             raise config.ConfigError(str(e)) from None
 
 
+def load_prompts(cfg_data, tokenizer, print0) -> tuple[list, list]:
+    """Training and validation prompts, tokenised once (data.load_rl_dataset), with their counts printed."""
+    train_rows, stats = data.load_rl_dataset(cfg_data.train_files, tokenizer, cfg_data.max_prompt_length,
+                                             cfg_data.truncation)
+    print0(f"train prompts: {stats}")
+    val_rows = []
+    if cfg_data.val_files:
+        val_rows, stats = data.load_rl_dataset(cfg_data.val_files, tokenizer, cfg_data.max_prompt_length,
+                                               cfg_data.truncation)
+        val_rows = val_rows[:cfg_data.val_max_samples or None]
+        print0(f"val prompts: {stats}, using {len(val_rows)}")
+    return train_rows, val_rows
+
+
+def load_models(cfg, accelerator, fsdp, layout: str):
+    """The actor, the frozen reference (None without a KL term, or with LoRA: the actor with its adapter disabled
+    is the reference) and the critic (None unless adv_estimator=gae), each sharded under FSDP2, else replicated."""
+    policy = distribute(load_policy(cfg.model), accelerator, fsdp, trainable=True)
+    ref = critic = None
+    if (cfg.algorithm.use_kl_in_reward or cfg.algorithm.use_kl_loss) and cfg.model.lora_rank == 0:
+        ref = distribute(load_reference(cfg.model.path), accelerator, fsdp, trainable=False)
+    if cfg.algorithm.adv_estimator == "gae":
+        critic = load_critic(cfg.critic.model_path or cfg.model.path)
+        if cfg.critic.lora_rank > 0:
+            critic = add_lora(critic, cfg.critic.lora_rank, cfg.critic.lora_alpha, cfg.model, "TOKEN_CLS")
+        if cfg.model.gradient_checkpointing:
+            use_gradient_checkpointing(critic)
+        critic = distribute(critic, accelerator, fsdp, trainable=True)
+    named = [(name, m) for name, m in (("policy", policy), ("critic", critic), ("reference", ref)) if m is not None]
+    accelerator.print(describe(fsdp, accelerator, [name for name, _ in named]))
+    if layout == "packed":  # attention within each prompt / prompt+response group of the packed row
+        for _, model in named:
+            use_varlen_attention(accelerator.unwrap_model(model))
+    return policy, ref, critic
+
+
+def ref_logprobs(ref, unwrapped_policy, micro, fwd: Forward):
+    """log π_ref(y_t | prefix), (B, Tr): the reference model's, or with LoRA the actor's with its adapter disabled."""
+    if ref is not None:
+        return fwd.logprobs(ref, micro)[0]
+    with unwrapped_policy.disable_adapter():
+        return fwd.logprobs(unwrapped_policy, micro)[0]
+
+
+def cut_off(responses, lengths, max_length: int, eos_ids) -> torch.Tensor:
+    """(B,) bool: the responses that reached max_length tokens without ending in an EOS."""
+    last_tokens = responses[torch.arange(len(responses)), (lengths - 1).clamp(min=0)]  # (B,)
+    return (lengths == max_length) & ~torch.isin(last_tokens, torch.tensor(sorted(eos_ids)))
+
+
+def guards(t, recent_kl: list, entropy: Optional[float]) -> tuple[Optional[str], Optional[str]]:
+    """(why to stop, or None; a warning, or None): the mean kl/mean of the last steps above trainer.max_kl, or
+    policy/entropy below trainer.min_entropy (a stop or a warning, as trainer.min_entropy_action says)."""
+    stop = warning = None
+    mean_kl = sum(recent_kl) / len(recent_kl)
+    if t.max_kl and mean_kl > t.max_kl:
+        stop = f"kl/mean over the last {len(recent_kl)} steps {mean_kl:.4f} > trainer.max_kl {t.max_kl}"
+    if t.min_entropy and entropy is not None and entropy < t.min_entropy:
+        message = f"policy/entropy {entropy:.4f} < trainer.min_entropy {t.min_entropy}"
+        stop, warning = (message, None) if t.min_entropy_action == "stop" else (stop, message)
+    return stop, warning
+
+
+def save_final(accelerator, policy, tokenizer, cfg) -> None:
+    """The policy in HF format in output_dir/final (with LoRA: the adapter), and curves.png from metrics.jsonl."""
+    t = cfg.trainer
+    final, metrics_path = os.path.join(t.output_dir, "final"), os.path.join(t.output_dir, "metrics.jsonl")
+    state_dict = full_state_dict(policy)  # every process takes part in gathering the shards
+    if accelerator.is_main_process:
+        save_pretrained_atomic(accelerator.unwrap_model(policy), tokenizer, final, state_dict)
+        accelerator.print(f"policy saved to {final}" + (f"; merge the adapter with: python merge_lora.py {final} "
+                                                        f"{t.output_dir}/merged" if cfg.model.lora_rank else ""))
+        if t.plot_curves and os.path.exists(metrics_path):
+            plot_curves(metrics_path, os.path.join(t.output_dir, "curves.png"))  # the panels of utils.CURVE_KEYS
+
+
 def main(cfg: config.Config):
     accelerator = Accelerator(cpu=not torch.cuda.is_available())  # on a CPU, launched processes join over gloo
     print0 = functools.partial(accelerator.print, flush=True)  # rank 0 only; flushed even into a pipe
@@ -342,44 +444,17 @@ def main(cfg: config.Config):
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
 
     # ---- data: prompts tokenised once, sizes checked before any model is loaded
-    train_rows, stats = data.load_rl_dataset(cfg.data.train_files, tokenizer, cfg.data.max_prompt_length,
-                                             cfg.data.truncation)
-    print0(f"train prompts: {stats}")
-    val_rows = []
-    if cfg.data.val_files:
-        val_rows, val_stats = data.load_rl_dataset(cfg.data.val_files, tokenizer, cfg.data.max_prompt_length,
-                                                   cfg.data.truncation)
-        val_rows = val_rows[:cfg.data.val_max_samples or None]
-        print0(f"val prompts: {val_stats}, using {len(val_rows)}")
+    train_rows, val_rows = load_prompts(cfg.data, tokenizer, print0)
     sizes = check_sizes(cfg, accelerator.num_processes, len(train_rows))
     check_data_sources({r["data_source"] for r in train_rows + val_rows}, cfg.reward)  # each has a rule
-    n, B = cfg.rollout.n, sizes["batch"]
-    on_policy_shortcut = (cfg.actor.ppo_epochs == 1 and sizes["num_mini"] == 1 and not alg.use_kl_in_reward)
+    n, B = cfg.rollout.n, sizes.batch
 
-    # ---- models: actor, reference, critic (each sharded under FSDP2, else replicated), reward
-    policy = distribute(load_policy(cfg.model), accelerator, fsdp, trainable=True)
-    actor_opt, actor_sched = make_optimizer(policy, cfg.actor.optim, t.total_steps)  # after sharding: DTensors
-    use_ref = alg.use_kl_in_reward or alg.use_kl_loss
-    ref = None
-    if use_ref and cfg.model.lora_rank == 0:  # with LoRA the reference is the actor with its adapter disabled
-        ref = distribute(load_reference(cfg.model.path), accelerator, fsdp, trainable=False)
-    critic = critic_opt = critic_sched = None
-    if alg.adv_estimator == "gae":
-        critic = load_critic(cfg.critic.model_path or cfg.model.path)
-        if cfg.critic.lora_rank > 0:
-            critic = add_lora(critic, cfg.critic.lora_rank, cfg.critic.lora_alpha, cfg.model, "TOKEN_CLS")
-        if cfg.model.gradient_checkpointing:
-            use_gradient_checkpointing(critic)
-        critic = distribute(critic, accelerator, fsdp, trainable=True)
-        critic_opt, critic_sched = make_optimizer(critic, cfg.critic.optim, t.total_steps)
+    # ---- models: actor, reference, critic, reward; optimisers after sharding (they hold DTensors then)
+    fwd = Forward(cfg.rollout.temperature or 1.0, dtype, batch_layout(cfg.model, sharded=fsdp is not None))
+    policy, ref, critic = load_models(cfg, accelerator, fsdp, fwd.layout)
+    actor_opt, actor_sched = make_optimizer(policy, cfg.actor.optim, t.total_steps)
+    critic_opt, critic_sched = make_optimizer(critic, cfg.critic.optim, t.total_steps) if critic else (None, None)
     scorer = Scorer(cfg.reward, device, dtype)  # a reward model is replicated: it only runs forward passes
-    print0(describe(fsdp, accelerator, [name for name, model in (("policy", policy), ("critic", critic),
-                                                                  ("reference", ref)) if model is not None]))
-    layout = batch_layout(cfg.model, sharded=fsdp is not None)
-    if layout == "packed":  # attention within each prompt / prompt+response group of the packed row
-        for model in (policy, ref, critic):
-            if model is not None:
-                use_varlen_attention(accelerator.unwrap_model(model))
 
     # ---- state, resume
     state = TrainState(KLController(alg.kl_ctrl.type, alg.kl_ctrl.kl_coef, alg.kl_ctrl.target_kl,
@@ -395,22 +470,16 @@ def main(cfg: config.Config):
         print0(f"resumed from {resume_from} at step {state.step}")
     rollout = make_rollout(cfg, policy, tokenizer, accelerator, dtype, synced_forwards=fsdp is not None)
     unwrapped = accelerator.unwrap_model(policy)
-    temperature = cfg.rollout.temperature or 1.0
     reduce_sum = functools.partial(sum_over_processes, accelerator)
+    max_tokens = cfg.actor.max_token_len_per_device if cfg.actor.use_dynamic_bsz else 0  # 0: micro-batches by count
+    # departure 3: one epoch of one mini-batch and no KL in the reward: the update's forward gives old_logprobs
+    on_policy_shortcut = cfg.actor.ppo_epochs == 1 and sizes.num_mini == 1 and not alg.use_kl_in_reward
+    use_ref = alg.use_kl_in_reward or alg.use_kl_loss
 
-    def ref_logprobs_of(mb):
-        if ref is not None:
-            return forward_logprobs(ref, mb, temperature, dtype, False, layout)[0]
-        with unwrapped.disable_adapter():
-            return forward_logprobs(unwrapped, mb, temperature, dtype, False, layout)[0]
-
-    lp_micro, max_tok = cfg.actor.log_prob_micro_batch_size_per_device, (
-        cfg.actor.max_token_len_per_device if cfg.actor.use_dynamic_bsz else 0)
     if t.val_before_train and val_rows and state.step == 0:
         metrics = validate(cfg, rollout, tokenizer, scorer, val_rows, accelerator)
         print0("validation before training: " + console_line(metrics, sorted(metrics)))
         logger.log(metrics, 0)
-
     stop_reason, stop_signal = None, StopSignal(verbose=accelerator.is_main_process)
     bar = tqdm(range(state.step + 1, t.total_steps + 1), disable=not accelerator.is_main_process,
                desc="ppo", dynamic_ncols=True)
@@ -420,27 +489,26 @@ def main(cfg: config.Config):
 
         # ---- 1. sample prompts: one global batch from a seeded permutation, this process's slice of it
         inds = next_prompts(state, len(train_rows), cfg.data.train_batch_size, t.seed, cfg.data.shuffle)
-        mine = inds[accelerator.process_index * sizes["prompts"]:(accelerator.process_index + 1) * sizes["prompts"]]
+        mine = inds[accelerator.process_index * sizes.prompts:(accelerator.process_index + 1) * sizes.prompts]
         rows = [train_rows[i] for i in mine for _ in range(n)]  # row i·n + j: sample j of prompt i
 
         # ---- 2. generate n responses per prompt
         with timed(times, "time/gen_s"):
             ro = rollout.generate([train_rows[i]["prompt_ids"] for i in mine], n, cfg.rollout.temperature,
-                                  seed=t.seed * 100_003 + step * 1_009 + accelerator.process_index)
+                                  seed=step_seed(t.seed, step, accelerator.process_index))
         queries, query_mask = left_pad([r["prompt_ids"] for r in rows], tokenizer.pad_token_id)  # (B, Tq)
         responses, response_mask = ro.responses, ro.response_mask  # (B, Tr)
-        lengths = response_mask.sum(1)  # (B,)
+        lengths = response_mask.sum(1)  # (B,) response tokens, the EOS included
+        tok_lengths = (query_mask.sum(1) + lengths).tolist()  # (B,) real tokens: micro-batches by token budget
         batch = dict(queries=queries, query_mask=query_mask, responses=responses, response_mask=response_mask)
         if ro.logprobs is not None:
-            batch["rollout_logprobs"] = ro.logprobs
+            batch["rollout_logprobs"] = ro.logprobs  # (B, Tr) the sampler's
 
         # ---- 3. score: the task reward of each response
         with timed(times, "time/reward_s"):
             texts = decode_responses(tokenizer, responses, response_mask)
             scores, reward_metrics = scorer(rows, texts)  # (B,)
-            last_tokens = responses[torch.arange(B), (lengths - 1).clamp(min=0)]
-            truncated = (lengths == cfg.rollout.max_response_length) & ~torch.isin(last_tokens, torch.tensor(
-                sorted(rollout.eos_ids)))
+            truncated = cut_off(responses, lengths, cfg.rollout.max_response_length, rollout.eos_ids)  # (B,)
             scores = scores + cfg.reward.overlong_penalty * truncated.float()
         metrics.update(reward_metrics)
 
@@ -451,37 +519,33 @@ def main(cfg: config.Config):
         for model in (policy, critic):
             if model is not None:
                 model.eval()
-        tok_lengths = (query_mask.sum(1) + lengths).tolist()
+        no_grad_pass = functools.partial(per_token_pass, batch=batch, max_tokens=max_tokens, lengths=tok_lengths,
+                                         size=cfg.actor.log_prob_micro_batch_size_per_device, device=device)
         if not on_policy_shortcut:
             with timed(times, "time/old_logprob_s"):
-                batch["old_logprobs"] = per_token_pass(
-                    lambda mb: forward_logprobs(policy, mb, temperature, dtype, False, layout)[0],
-                    batch, lp_micro, max_tok, tok_lengths, device)
+                batch["old_logprobs"] = no_grad_pass(lambda micro: fwd.logprobs(policy, micro)[0])  # (B, Tr)
         if use_ref:
             with timed(times, "time/ref_s"):
-                batch["ref_logprobs"] = per_token_pass(ref_logprobs_of, batch, lp_micro, max_tok, tok_lengths, device)
+                batch["ref_logprobs"] = no_grad_pass(lambda micro: ref_logprobs(ref, unwrapped, micro, fwd))  # (B, Tr)
         if critic is not None:
             with timed(times, "time/values_s"):
-                batch["values"] = per_token_pass(lambda mb: forward_values(critic, mb, dtype, layout), batch, lp_micro,
-                                                 max_tok, tok_lengths, device) * response_mask
+                batch["old_values"] = no_grad_pass(lambda micro: fwd.values(critic, micro)) * response_mask  # (B, Tr)
 
         # ---- 5. rewards = score at the last token − β·KL at every token
         beta = state.kl_ctrl.value
+        kl = torch.zeros(response_mask.shape)  # (B, Tr)
         if alg.use_kl_in_reward:
-            kl = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], alg.kl_penalty) * response_mask
-            token_rewards = kl_penalty_rewards(scores, kl, response_mask, beta)  # (B, Tr)
-            seq_kl = masked_mean(kl, response_mask, 1).mean()
-            state.kl_ctrl.update(accelerator.reduce(seq_kl.to(device), "mean").item(), cfg.data.train_batch_size * n)
-        else:
-            token_rewards = kl_penalty_rewards(scores, torch.zeros_like(response_mask, dtype=torch.float32),
-                                               response_mask, 0.0)
+            kl = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], alg.kl_penalty) * response_mask  # (B, Tr)
+            seq_kl = accelerator.reduce(masked_mean(kl, response_mask, 1).mean().to(device), "mean").item()
+            state.kl_ctrl.update(seq_kl, cfg.data.train_batch_size * n)
+        token_rewards = kl_penalty_rewards(scores, kl, response_mask, beta)  # (B, Tr)
 
-        # ---- 6. advantages
+        # ---- 6. advantages (B, Tr), zero on padding
         if alg.adv_estimator == "gae":
-            advantages, returns = gae(token_rewards, batch["values"], response_mask.float(), alg.gamma, alg.lam)
+            advantages, batch["returns"] = gae(token_rewards, batch["old_values"], response_mask.float(), alg.gamma,
+                                               alg.lam)  # (B, Tr) each
             if alg.whiten_advantages:
                 advantages = masked_whiten(advantages, response_mask, reduce_sum)
-            batch["returns"] = returns
         elif alg.adv_estimator == "grpo":
             advantages = grpo_advantages(token_rewards.sum(1), response_mask, n, alg.norm_adv_by_std_in_grpo)
         elif alg.adv_estimator == "reinforce_plus_plus":  # whitened with the statistics of every process
@@ -491,34 +555,31 @@ def main(cfg: config.Config):
         batch["advantages"] = advantages
 
         # ---- 7. PPO epochs over mini-batches, gradient accumulation over micro-batches
-        stats = defaultdict(list)  # metric name → one value per micro-batch (or per optimiser step)
         for model in (policy, critic):
             if model is not None:
                 model.train()
-        update_actor = step > cfg.critic.warmup_steps  # critic warmup: the actor waits for useful values
-        g = torch.Generator().manual_seed(t.seed * 7919 + step)
+        update_actor = step > cfg.critic.warmup_steps  # critic warm-up: the actor waits for useful values
+        updates = [("actor", policy, actor_opt, actor_loss, sizes.actor_micro, cfg.actor.max_grad_norm)]
+        updates = updates if update_actor else []
+        if critic is not None:
+            updates.append(("critic", critic, critic_opt, critic_loss, sizes.critic_micro, cfg.critic.max_grad_norm))
+        stats = defaultdict(list)  # metric → one value per micro-batch (grad norms: per optimiser step)
+        order = torch.Generator().manual_seed(step_seed(t.seed, step, -1))
         for epoch in range(cfg.actor.ppo_epochs):
-            for mb_inds in torch.randperm(B, generator=g).split(sizes["mini"]):
-                # normalisers over the whole mini-batch and every process (departure 4)
-                counts = torch.tensor([float(response_mask[mb_inds].sum()), float(len(mb_inds))], device=device)
-                norm = (accelerator.reduce(counts, "sum") / accelerator.num_processes).tolist()
-                if update_actor:
-                    with timed(times, "time/update_actor_s"):
-                        micros = [micro_batch(batch, i, device) for i in
-                                  split_micro(mb_inds, tok_lengths, sizes["micro"], max_tok)]
-                        loss_fn = lambda mb: actor_loss(cfg, policy, mb, temperature, dtype, layout, norm, on_policy_shortcut,  # noqa: E731
-                                                        use_ref, epoch == 0, stats)
-                        grad_norm = train_mini_batch(policy, actor_opt, micros, loss_fn, cfg.actor.max_grad_norm)
+            for mini_inds in torch.randperm(B, generator=order).split(sizes.mini):
+                # the mini-batch's tokens and sequences over every process normalise its loss (departure 4)
+                counts = torch.tensor([float(response_mask[mini_inds].sum()), float(len(mini_inds))], device=device)
+                counts = tuple((accelerator.reduce(counts, "sum") / accelerator.num_processes).tolist())
+                for name, model, optimizer, loss_fn, micro_size, max_norm in updates:
+                    with timed(times, f"time/update_{name}_s"):
+                        micro_batches = [micro_batch(batch, i, device)
+                                         for i in split_micro(mini_inds, tok_lengths, micro_size, max_tokens)]
+                        grad_norm, losses = train_step(model, optimizer, micro_batches,
+                                                       lambda micro: loss_fn(model, micro, cfg, fwd, counts), max_norm)
                     state.skipped += grad_norm is None
-                    stats["actor/grad_norm"] += [grad_norm] if grad_norm is not None else []
-                if critic is not None:
-                    with timed(times, "time/update_critic_s"):
-                        micros = [micro_batch(batch, i, device) for i in
-                                  split_micro(mb_inds, tok_lengths, sizes["critic_micro"], max_tok)]
-                        loss_fn = lambda mb: critic_loss(cfg, critic, mb, dtype, layout, norm, stats)  # noqa: E731
-                        grad_norm = train_mini_batch(critic, critic_opt, micros, loss_fn, cfg.critic.max_grad_norm)
-                    state.skipped += grad_norm is None
-                    stats["critic/grad_norm"] += [grad_norm] if grad_norm is not None else []
+                    stats[f"{name}/grad_norm"] += [grad_norm] if grad_norm is not None else []
+                    for key, values in losses.items():
+                        stats[key] += values
         metrics["actor/lr"] = actor_sched.get_last_lr()[0]
         if update_actor:
             actor_sched.step()
@@ -530,19 +591,19 @@ def main(cfg: config.Config):
             with timed(times, "time/sync_s"):
                 rollout.sync_weights(policy)
 
-        # ---- 9. log: means over this process's batch, then over processes
+        # ---- 9. log: means (maxima for *_max) over this process's batch and micro-batches, then over processes
         metrics.update({
             "score/mean": scores.mean().item(), "score/max": scores.max().item(), "score/min": scores.min().item(),
             "reward/mean": token_rewards.sum(1).mean().item(), "kl/coef": beta,
             "response/length_mean": lengths.float().mean().item(),
             "response/clip_ratio": truncated.float().mean().item()})
-        metrics.update({k: max(v) if k.endswith("_max") else sum(v) / len(v) for k, v in stats.items() if v})
+        metrics.update({key: values for key, values in stats.items() if values})
         if critic is not None:
-            metrics["value/mean"] = masked_mean(batch["values"], response_mask).item()
-            metrics["value/explained_var"] = explained_variance(batch["values"], batch["returns"], response_mask,
+            metrics["value/mean"] = masked_mean(batch["old_values"], response_mask).item()
+            metrics["value/explained_var"] = explained_variance(batch["old_values"], batch["returns"], response_mask,
                                                                 reduce_sum)
         metrics = reduce_metrics(accelerator, metrics)
-        tokens = accelerator.reduce(torch.tensor(float(query_mask.sum() + lengths.sum()), device=device), "sum").item()
+        tokens = accelerator.reduce(torch.tensor(float(sum(tok_lengths)), device=device), "sum").item()
         times["time/step_s"] = time.perf_counter() - t0
         metrics.update(times)
         metrics["perf/tokens_per_s"] = tokens / times["time/step_s"]
@@ -551,26 +612,16 @@ def main(cfg: config.Config):
 
         # ---- guards: a run that drifts too far from the reference, or collapses, is validated and stops
         state.recent_kl = (state.recent_kl + [metrics.get("kl/mean", 0.0)])[-t.max_kl_window:]
-        recent_kl = sum(state.recent_kl) / len(state.recent_kl)
-        if t.max_kl and recent_kl > t.max_kl:
-            stop_reason = (f"kl/mean over the last {len(state.recent_kl)} steps {recent_kl:.4f} "
-                           f"> trainer.max_kl {t.max_kl}")
-        if t.min_entropy and metrics.get("policy/entropy", t.min_entropy) < t.min_entropy:
-            message = f"policy/entropy {metrics['policy/entropy']:.4f} < trainer.min_entropy {t.min_entropy}"
-            if t.min_entropy_action == "stop":
-                stop_reason = message
-            else:
-                print0("warning: " + message)
+        stop_reason, warning = guards(t, state.recent_kl, metrics.get("policy/entropy"))
+        if warning:
+            print0("warning: " + warning)
 
         # validate (every test_freq steps, and at the end however it comes) and log
         if val_rows and ((t.test_freq and step % t.test_freq == 0) or step == t.total_steps or stop_reason):
             metrics.update(validate(cfg, rollout, tokenizer, scorer, val_rows, accelerator))
         logger.log(metrics, step)
         bar.set_postfix(score=f"{metrics['score/mean']:.3f}", kl=f"{metrics.get('kl/mean', 0):.4f}")
-        keys = ["score/mean", "reward/mean", "kl/mean", "policy/entropy", "policy/clipfrac", "loss/policy",
-                "loss/value", "value/explained_var", "response/length_mean", "val/score/mean", "val/rule_score/mean",
-                "time/step_s"]
-        print0(f"step {step}  " + console_line(metrics, keys))
+        print0(f"step {step}  " + console_line(metrics, CONSOLE_KEYS))
         if t.sample_freq and step % t.sample_freq == 0:
             shown = list(range(0, B, max(1, B // t.num_samples_to_show)))[:t.num_samples_to_show]
             print0(sample_table([(rows[i]["prompt_text"][-40:], texts[i], scores[i].item()) for i in shown]))
@@ -589,14 +640,7 @@ def main(cfg: config.Config):
             break
 
     # ---- the policy in HF format, and curves for people who would rather look than read
-    final = os.path.join(t.output_dir, "final")
-    state_dict = full_state_dict(policy)  # every process takes part in gathering the shards
-    if accelerator.is_main_process:
-        save_pretrained_atomic(unwrapped, tokenizer, final, state_dict)
-        print0(f"policy saved to {final}" + (f"; merge the adapter with: python merge_lora.py {final} "
-                                             f"{t.output_dir}/merged" if cfg.model.lora_rank else ""))
-        if t.plot_curves and os.path.exists(logger.path):
-            plot_curves(logger.path, os.path.join(t.output_dir, "curves.png"))  # the panels of utils.CURVE_KEYS
+    save_final(accelerator, policy, tokenizer, cfg)
     logger.close()
     accelerator.wait_for_everyone()
     if isinstance(rollout, HFRollout):  # a vLLM engine destroys the process group itself at exit

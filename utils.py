@@ -413,10 +413,13 @@ def resume_or_start(accelerator, path, output_dir: str, logger, cfg, models: dic
 
 
 def reduce_metrics(accelerator, metrics: dict) -> dict:
-    """Means over processes (maxima for *_max keys); every process holds the same keys."""
-    values = torch.tensor(list(metrics.values()), device=accelerator.device, dtype=torch.float64)
+    """Each metric (a number, or a list: one value per micro-batch) → its mean over the list and then over
+    processes, or its maximum for *_max keys. Every process must hold the same keys."""
+    is_max = [key.endswith("_max") for key in metrics]
+    local = [(max(v) if m else sum(v) / len(v)) if isinstance(v, list) else v for v, m in zip(metrics.values(), is_max)]
+    values = torch.tensor(local, device=accelerator.device, dtype=torch.float64)
     means, maxima = accelerator.reduce(values, "mean").tolist(), accelerator.reduce(values, "max").tolist()
-    return {k: (hi if k.endswith("_max") else m) for k, m, hi in zip(metrics, means, maxima)}
+    return {key: hi if m else mean for key, m, mean, hi in zip(metrics, is_max, means, maxima)}
 
 
 def checkpoint_step(path: str) -> int:

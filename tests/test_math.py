@@ -375,16 +375,14 @@ def tiny_actor(tmp_path_factory):
     return policy, mb
 
 
-def run_actor_loss(policy, mb, on_policy=True, **overrides):
-    """actor_loss with the config's defaults plus `overrides` (dotted keys), no reference; (loss, stats)."""
+def run_actor_loss(policy, mb, **overrides):
+    """actor_loss with the config's defaults plus `overrides` (dotted keys), no reference, the micro-batch as its
+    whole mini-batch; (loss, metrics). Without mb["old_logprobs"] the loss takes them from its own forward."""
     import config
-    from collections import defaultdict
+    from ppo import Forward
     cfg = config.load_config(None, [f"{k}={v}" for k, v in overrides.items()])
-    stats = defaultdict(list)
     mask = mb["response_mask"]
-    norm = (float(mask.sum()), float(len(mask)))
-    loss = actor_loss(cfg, policy, mb, 1.0, None, "padded", norm, on_policy, False, True, stats)
-    return loss, {k: v[0] for k, v in stats.items()}
+    return actor_loss(policy, mb, cfg, Forward(1.0, None, "padded"), (float(mask.sum()), float(len(mask))))
 
 
 def logprobs_of(policy, mb):
@@ -430,10 +428,10 @@ def test_actor_loss_passes_clip_low_and_high_the_right_way_round(tiny_actor):
     ratio = torch.tensor([1.25, 0.8, 1.25])[:, None].expand(3, 5)
     mb = {**mb, "advantages": torch.tensor([1.0, -1.0, 1.0])[:, None].expand(3, 5).clone(),
           "old_logprobs": logprobs - ratio.log()}
-    _, stats = run_actor_loss(policy, mb, on_policy=False, **{"actor.clip_ratio_low": 0.1, "actor.clip_ratio_high": 0.3})
+    _, stats = run_actor_loss(policy, mb, **{"actor.clip_ratio_low": 0.1, "actor.clip_ratio_high": 0.3})
     assert stats["policy/clipfrac"] == pytest.approx(5 / 13)
     assert stats["loss/policy"] == pytest.approx((-1.25 * 8 + 0.9 * 5) / 13, rel=1e-4)
-    _, swapped = run_actor_loss(policy, mb, on_policy=False, **{"actor.clip_ratio_low": 0.3, "actor.clip_ratio_high": 0.1})
+    _, swapped = run_actor_loss(policy, mb, **{"actor.clip_ratio_low": 0.3, "actor.clip_ratio_high": 0.1})
     assert swapped["policy/clipfrac"] == pytest.approx(8 / 13)
 
 
