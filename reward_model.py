@@ -7,30 +7,25 @@
     python reward_model.py --help                                                # every config key
     accelerate launch ppo.py --config configs.yaml reward.type=model reward.model_path=outputs/reward_model/final
 
-The demo (`make reward-model`: LoRA in the top 8 of SmolLM2-135M's 30 layers, lr 5e-4, 60 steps of 16 pairs,
-fp32) ran in 4.2 min on 2 shared CPU cores to val/rm/accuracy 0.865 on 200 held-out pairs of
+The demo (`make reward-model`, the defaults: LoRA in the top 8 of SmolLM2-135M's 30 layers, lr 5e-4, 60 steps
+of 16 pairs, fp32) ran in 4.2 min on 2 shared CPU cores to val/rm/accuracy 0.865 on 200 held-out pairs of
 `data.py --task arithmetic-preferences`; by kind: tens 0.99 ("15 + 2 = 17" over "15 + 2 = 27"), format 1.0,
-bare 0.65, ones 0.57 (the sum off by 1 or 2 is not learned yet). configs.yaml's own defaults (top 4 layers,
-lr 3e-4, 30 steps) reached 0.68 on the earlier pairs.
+bare 0.65, ones 0.57 (the sum off by 1 or 2 is not learned yet).
 
-Each step: 1. this step's pairs, 2. score chosen and rejected, loss, backward (micro-batches),
-3. clip and step, 4. metrics over all processes, 5. validate, 6. log, 7. checkpoint. At the end
-<output_dir>/final/ holds a plain AutoModelForSequenceClassification (LoRA merged), its tokenizer and
-reward_stats.json (mean/std of its scores on the training responses); final_adapter/ keeps the adapter.
+At the end <output_dir>/final/ holds a plain AutoModelForSequenceClassification (LoRA merged), its tokenizer
+and reward_stats.json (mean/std of its scores on the training responses); final_adapter/ keeps the adapter.
 
 How the text and the reward are formed:
-1. A pair is two conversations, [prompt…, assistant: chosen] and [prompt…, assistant: rejected],
-   rendered by the reward model's own chat template (no generation prompt). A text prompt is one user
-   turn; without a template the text is prompt + response; an empty prompt means chosen/rejected are
-   whole conversations (HH-RLHF) used as they are. RewardModelScorer renders PPO's (prompt, response)
-   the same way, so the policy may have another tokenizer.
-2. The reward is the `score` head at the last real token, found from the attention mask. HF's own
-   pooling takes the last token that is not pad_token_id, wrong when pad == eos ends the text.
-3. A pair longer than max_length is truncated from the left (the end of the response, where the reward
-   is read, is kept) or dropped (reward_model.overlong); both are counted at start-up, as are pairs
-   with chosen == rejected, which load_preferences drops.
-4. Losses are normalised by the pairs of the whole batch over all processes, so gradient accumulation
-   and the number of processes do not change the gradient.
+1. A pair is two conversations, [prompt…, assistant: chosen] and [prompt…, assistant: rejected], rendered by the
+   reward model's own chat template (no generation prompt). A text prompt is one user turn; without a template the
+   text is prompt + response; an empty prompt means chosen/rejected are whole conversations (HH-RLHF) used as they
+   are. RewardModelScorer renders PPO's (prompt, response) the same way, so the policy may have another tokenizer.
+2. The reward is the `score` head at the last real token, found from the attention mask. HF's own pooling
+   takes the last token that is not pad_token_id, wrong when pad == eos ends the text.
+3. A pair longer than max_length loses its first tokens (the response's end, where the reward is read, stays)
+   or is dropped (reward_model.overlong); start-up counts both, and the pairs with chosen == rejected, dropped.
+4. Losses are normalised by the pairs of the whole batch over all processes, so gradient accumulation and
+   the number of processes do not change the gradient.
 """
 import json
 import math
@@ -54,8 +49,7 @@ from utils import (add_lora, autocast, autocast_dtype, check_loggers, check_mode
                    save_pretrained_atomic, start_run, StopSignal, wandb_resume_id)
 
 # ---------------------------------------------------------------------------------------
-# Math
-
+# Math and the model
 
 def bradley_terry_loss(r_chosen, r_rejected, margin, center_coef: float):
     """L = −log σ(r_c − r_r − m) + η·(r_c + r_r)²   per pair, (B,) → (B,)
@@ -108,9 +102,20 @@ class RewardModel(torch.nn.Module):
         return model.score(last).squeeze(-1).float()  # (B,)
 
 
+def load_reward_model(path: str, pad_id: int, lora=None) -> RewardModel:
+    """A 1-output sequence classifier (from a backbone: a fresh `score` head) in fp32, the master weights; with
+    `lora` (the reward_model config, lora_rank > 0), LoRA adapters, the `score` head trained in full."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, pad_token_id=pad_id,
+                                                               dtype=torch.float32)
+    if lora is not None and lora.lora_rank > 0:
+        model = add_lora(model, lora.lora_rank, lora.lora_alpha, lora, "SEQ_CLS")  # SEQ_CLS: `score` saved too
+    return RewardModel(model)
+
+
 # ---------------------------------------------------------------------------------------
 # Text
-
 
 def render(prompt, response: str, tokenizer) -> str:
     """One conversation as text: the chat template over [prompt…, assistant: response] (see 1. above)."""
@@ -126,11 +131,8 @@ def render(prompt, response: str, tokenizer) -> str:
 
 
 def load_pairs(path: str, tokenizer, max_length: int, overlong: str, use_margin: bool):
-    """Preference pairs read, rendered and tokenised → [(chosen_ids, rejected_ids, margin, kind)], stats.
-
-    stats counts every pair not used as it was: identical_dropped (chosen == rejected), and pairs over
-    max_length tokens either truncated (their last max_length tokens kept) or dropped. margin = 0 unless use_margin.
-    """
+    """Preference pairs read, rendered and tokenised → [(chosen_ids, rejected_ids, margin, kind)] (margin 0 unless
+    use_margin), and stats: how many pairs were identical (dropped), truncated, too long (dropped); see 3. above."""
     rows, stats = data.load_preferences(path)
     texts = [render(r["prompt"], r[k], tokenizer) for r in rows for k in ("chosen", "rejected")]
     ids = data.tokenize_prompts(texts, tokenizer)  # the template's special tokens, no extra BOS
@@ -165,22 +167,8 @@ def batch_indices(step: int, n: int, batch_size: int, seed: int) -> list[int]:
     return perm[k * batch_size:(k + 1) * batch_size].tolist()
 
 
-class DataPosition:
-    """Optimiser steps taken (batch_indices turns it into the next pairs) and skipped: saved in each checkpoint."""
-
-    def __init__(self):
-        self.step, self.skipped = 0, 0
-
-    def state_dict(self):
-        return {"step": self.step, "skipped": self.skipped}
-
-    def load_state_dict(self, state):
-        self.step, self.skipped = state["step"], state.get("skipped", 0)
-
-
 # ---------------------------------------------------------------------------------------
 # Evaluation and the final model
-
 
 @torch.no_grad()
 def evaluate(model, pairs, micro: int, pad_id: int, accelerator, dtype) -> dict:
@@ -227,22 +215,10 @@ def non_finite(model, stats: dict):
     return bad[0] if bad else None
 
 
-def load_reward_model(rm, pad_id: int):
-    """The backbone with a fresh 1-output `score` head, fp32 master weights; LoRA (head trained in full) if rank > 0."""
-    from transformers import AutoModelForSequenceClassification
-
-    model = AutoModelForSequenceClassification.from_pretrained(rm.model_path, num_labels=1, pad_token_id=pad_id,
-                                                               dtype=torch.float32)
-    if rm.lora_rank > 0:
-        model = add_lora(model, rm.lora_rank, rm.lora_alpha, rm, "SEQ_CLS")  # SEQ_CLS: `score` trained in full, saved
-    return RewardModel(model)
-
-
 # ---------------------------------------------------------------------------------------
 # Training
 
-
-def main(cfg: config.Config):
+def main(cfg: config.RewardModelStage):
     rm = cfg.reward_model
     accelerator = Accelerator(cpu=not torch.cuda.is_available())  # on a CPU, launched processes join over gloo
     if fsdp_from_launcher():
@@ -279,29 +255,27 @@ def main(cfg: config.Config):
            f"epochs; {local // micro} micro-batches of {micro} pairs per process")
 
     # ---- model, optimiser, state, resume
-    model = distribute(load_reward_model(rm, pad_id), accelerator, None, trainable=True)  # DDP with N processes
+    model = distribute(load_reward_model(rm.model_path, pad_id, lora=rm), accelerator, None, trainable=True)  # DDP
     optimizer, scheduler = make_optimizer(model, rm.optim, rm.total_steps)
     model.train()
-    position = DataPosition()
     logger = MetricsLogger(rm.output_dir, rm.logger, config.to_dict(cfg), rm.project_name, rm.experiment_name,
                            accelerator.is_main_process, resume_id=wandb_resume_id(resume_from))
-    saved_state = resume_or_start(accelerator, resume_from, rm.output_dir, logger, cfg,
-                                               {"model": (model, optimizer)})
+    saved_state = resume_or_start(accelerator, resume_from, rm.output_dir, logger, cfg, {"model": (model, optimizer)})
+    start, skipped = 0, 0  # optimiser steps taken (batch_indices turns them into pairs) and skipped: checkpointed
     if resume_from:
-        position.load_state_dict(saved_state)
+        start, skipped = saved_state["step"], saved_state.get("skipped", 0)
         restore_schedule(scheduler, saved_state["lr_steps"])
-        print0(f"resumed from {resume_from} at step {position.step}")
+        print0(f"resumed from {resume_from} at step {start}")
 
     def pair_loss(pairs):
-        """One micro-batch: its share of the whole batch's mean loss (DDP averages over processes), and the
-        sums over its pairs of the loss, correct, r_c − r_r, r_c, r_r."""
+        """Its share of the batch's mean loss (see 4. above), and its Σ loss, correct, r_c − r_r, r_c, r_r."""
         r_c, r_r, m = score_pairs(model, pairs, pad_id, device, dtype)
         loss = bradley_terry_loss(r_c, r_r, m, rm.center_rewards_coef)
         sums = torch.stack([loss.sum(), (r_c > r_r).sum(), (r_c - r_r).sum(), r_c.sum(), r_r.sum()])
         return loss.sum() / local, {"sums": sums.detach()}
 
     stop_signal = StopSignal(verbose=accelerator.is_main_process)
-    bar = tqdm(range(position.step, rm.total_steps), initial=position.step, total=rm.total_steps,
+    bar = tqdm(range(start, rm.total_steps), initial=start, total=rm.total_steps,
                disable=not accelerator.is_main_process, dynamic_ncols=True)
     for step in bar:
         t0 = time.perf_counter()
@@ -314,35 +288,33 @@ def main(cfg: config.Config):
         micro_batches = [mine[i:i + micro] for i in range(0, local, micro)]
         grad_norm, per_micro = train_step(model, optimizer, micro_batches, pair_loss, rm.max_grad_norm)
         if grad_norm is None:  # a non-finite loss or gradient: train_step left the weights as they were
-            position.skipped += 1
+            skipped += 1
         scheduler.step()
-        position.step = step + 1
 
         # ---- 4. metrics: sums over all processes, divided by the batch
         sums = (accelerator.reduce(sum(per_micro["sums"]), "sum") / rm.batch_size).tolist()
         metrics = {"rm/loss": sums[0], "rm/accuracy": sums[1], "rm/margin": sums[2], "rm/chosen_mean": sums[3],
                    "rm/rejected_mean": sums[4], "rm/grad_norm": math.nan if grad_norm is None else grad_norm,
-                   "lr": lr, "train/skipped_steps": position.skipped}
+                   "lr": lr, "train/skipped_steps": skipped}
 
         # ---- 5. validate every eval_freq steps and at the end
         last = step + 1 == rm.total_steps
         if val_pairs and (last or (rm.eval_freq > 0 and (step + 1) % rm.eval_freq == 0)):
             val = evaluate(model, val_pairs, micro, pad_id, accelerator, dtype)
-            metrics.update({f"val/rm/{k}": v for k, v in val.items() if k in ("loss", "accuracy", "margin")
-                            or k.startswith("accuracy/")})
+            metrics.update({f"val/rm/{k}": v for k, v in val.items() if k not in ("mean", "std")})
 
         # ---- 6. log (rank 0): metrics.jsonl, console, wandb/tensorboard
         metrics["time/step_s"] = time.perf_counter() - t0
         logger.log(metrics, step + 1)
-        print0(f"step {step + 1}  " + console_line(metrics, ["rm/loss", "rm/accuracy", "rm/margin", "val/rm/accuracy",
-                                                             *sorted(k for k in metrics if k.startswith("val/rm/accuracy/")),
-                                                             "lr", "time/step_s"]))
+        shown = ["rm/loss", "rm/accuracy", "rm/margin", "val/rm/accuracy",
+                 *sorted(k for k in metrics if k.startswith("val/rm/accuracy/")), "lr", "time/step_s"]
+        print0(f"step {step + 1}  " + console_line(metrics, shown))
 
         # ---- 7. checkpoint every save_freq steps and at the end; SIGTERM or Ctrl-C: also, then stop
         signum = stop_signal.received(accelerator)
         if last or (rm.save_freq > 0 and (step + 1) % rm.save_freq == 0) or signum:
             save_checkpoint(accelerator, rm.output_dir, step + 1, rm.keep_checkpoints, {"model": (model, optimizer)},
-                            {**position.state_dict(), "lr_steps": scheduler.last_epoch})
+                            {"step": step + 1, "skipped": skipped, "lr_steps": scheduler.last_epoch})
         if signum:
             print0(f"stopped by {signal.Signals(signum).name} after step {step + 1}, checkpoint saved; run the same "
                    f"command again to resume")
@@ -368,7 +340,6 @@ def main(cfg: config.Config):
 # ---------------------------------------------------------------------------------------
 # Scoring in PPO
 
-
 class RewardModelScorer:
     """Scores raw (prompt, response) pairs with a folder written by reward_model.py, rendered with its own
     tokenizer exactly as in training; micro-batched, no grad, eval mode.
@@ -378,7 +349,7 @@ class RewardModelScorer:
 
     def __init__(self, path: str, micro_batch_size: int = 32, normalize: bool = False, clip=None,
                  device="cpu", autocast_dtype=None):
-        from transformers import AutoConfig, AutoModelForSequenceClassification
+        from transformers import AutoConfig
 
         if not os.path.isdir(path):
             raise config.ConfigError(f"reward model folder {path} does not exist; train one with reward_model.py")
@@ -387,10 +358,8 @@ class RewardModelScorer:
             raise config.ConfigError(f"{path} holds a {arch}, not a reward model (…ForSequenceClassification); "
                              f"point reward.model_path at the final/ folder written by reward_model.py")
         self.tokenizer = load_tokenizer(path)
-        hf = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32,
-                                                                pad_token_id=self.tokenizer.pad_token_id)
         self.device = torch.device(device)
-        self.model = RewardModel(hf).to(self.device).eval().requires_grad_(False)
+        self.model = load_reward_model(path, self.tokenizer.pad_token_id).to(self.device).eval().requires_grad_(False)
         self.micro_batch_size, self.clip, self.dtype, self.stats = micro_batch_size, clip, autocast_dtype, None
         if normalize:
             stats_path = os.path.join(path, "reward_stats.json")
