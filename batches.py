@@ -140,6 +140,26 @@ def packed_inputs(mb: dict):
     prompt's tokens see that prompt, a response's tokens see their prompt and, causally, themselves.
     Returns the forward's inputs and `keep` (K,), the row positions whose outputs predict the K real
     response tokens: the prompt's last token for the first, then the response's own tokens.
+
+    Example (tests/test_packing.py): prompt A = 11 12 with responses 31 32 and 33, prompt B = 21 22 23 with
+    response 41 42; rows A, A, B, so U = 2 (in torch.unique's order), B = 3, G = 5, N = 10:
+
+        row position   0  1 |  2  3  4 |  5  6 |  7 |  8  9
+        input_ids     11 12 | 21 22 23 | 31 32 | 33 | 41 42
+        position_ids   0  1 |  0  1  2 |  2  3 |  2 |  3  4
+        group          0  0 |  1  1  1 |  2  2 |  3 |  4  4
+
+        group 0, prompt A     11 → 11;  12 → 11 12            (each query token → the keys it sees)
+        group 1, prompt B     21 → 21;  22 → 21 22;  23 → 21 22 23
+        group 2, A's 31 32    31 → 11 12 31;  32 → 11 12 31 32
+        group 3, A's 33       33 → 11 12 33
+        group 4, B's 41 42    41 → 21 22 23 41;  42 → 21 22 23 41 42
+        keep = [1, 5, 1, 4, 8]: 12 predicts 31, 31 predicts 32, 12 predicts 33, 23 predicts 41, 41 predicts 42
+
+    `packed_attention` is no argument of the model's: transformers (5.19.0) hands forward kwargs it does not know
+    down through `**kwargs` (…ForCausalLM or …ForTokenClassification → …Model → each decoder layer → the
+    attention module, e.g. LlamaAttention.forward in models/llama/modeling_llama.py), whose call of the
+    registered attention function (`varlen_sdpa`) passes them on.
     """
     response_mask = mb["response_mask"].bool()
     prompt_ids, prompt_mask, row_of = distinct_prompts(mb)  # (U, Tq), (U, Tq), (B,)
@@ -172,6 +192,11 @@ def packed_inputs(mb: dict):
                   position_ids=position_ids[None], attention_mask=None,
                   packed_attention=dict(q_index=q_index, k_index=k_index, mask=mask, q_valid=q_valid))
     return inputs, before[response_mask]
+
+
+def unpacked(values, mask):
+    """The inverse of values = x[mask]: (K,) values of the real response tokens → (B, Tr), 0 on padding."""
+    return torch.zeros(mask.shape, device=values.device).masked_scatter(mask, values)
 
 
 def distinct_prompts(mb: dict):
@@ -234,8 +259,7 @@ def shared_prompt_logits(model, mb, **prompt_kwargs):
 
 
 def forward_logprobs(model, mb, temperature: float, dtype, with_entropy: bool, layout: str = "padded"):
-    """log π(response token t | prefix) and the entropy at each response position, (B, Tr) each.
-    layout: "padded", "packed" (model.use_remove_padding) or "shared" (model.share_prompt_prefix)."""
+    """log π(response token t | prefix) and the entropy at each response position, (B, Tr) each (batch_layout)."""
     Tr, mask = mb["responses"].shape[1], mb["response_mask"].bool()
     keep = None
     with autocast(mb["responses"].device, dtype):
@@ -249,8 +273,8 @@ def forward_logprobs(model, mb, temperature: float, dtype, with_entropy: bool, l
     targets = mb["responses"] if keep is None else mb["responses"][mask]
     logprobs, entropy = chunked_logprobs_entropy(logits, targets, temperature, with_entropy, LOGITS_CHUNK)
     if keep is not None:  # back from (K,) to (B, Tr)
-        logprobs = torch.zeros(mask.shape, device=logits.device).masked_scatter(mask, logprobs)
-        entropy = torch.zeros(mask.shape, device=logits.device).masked_scatter(mask, entropy) if with_entropy else None
+        logprobs = unpacked(logprobs, mask)
+        entropy = unpacked(entropy, mask) if with_entropy else None
     return logprobs, entropy
 
 
@@ -265,7 +289,7 @@ def forward_values(critic, mb, dtype, layout: str = "padded"):
         values = critic(**inputs, use_cache=False).logits[..., 0].float()  # (B, Tq+Tr) or (1, N)
     if keep is None:
         return values[:, -Tr - 1:-1]
-    return torch.zeros(mask.shape, device=values.device).masked_scatter(mask, values[0, keep])
+    return unpacked(values[0, keep], mask)
 
 
 @torch.no_grad()

@@ -153,3 +153,26 @@ def test_micro_batch_trims_padding_columns():
     batch = random_batch(B=6, seed=2)
     mb = micro_batch(batch, torch.tensor([0]), "cpu")
     assert mb["query_mask"][:, 0].all() and mb["response_mask"][:, -1].all()
+
+
+def test_packed_inputs_worked_example():
+    """batches.packed_inputs' docstring example holds: prompt A = 11 12 with responses 31 32 and 33, prompt B =
+    21 22 23 with 41 42 give that packed row, those positions, what each group's queries see, and `keep`."""
+    queries, query_mask = left_pad([[11, 12], [11, 12], [21, 22, 23]], 0)
+    responses, response_mask = right_pad([[31, 32], [33], [41, 42]], 0)
+    inputs, keep = batches.packed_inputs(dict(queries=queries, query_mask=query_mask, responses=responses,
+                                              response_mask=response_mask))
+    ids = inputs["input_ids"][0]
+    assert ids.tolist() == [11, 12, 21, 22, 23, 31, 32, 33, 41, 42]
+    assert inputs["position_ids"][0].tolist() == [0, 1, 0, 1, 2, 2, 3, 2, 3, 4]
+    p = inputs["packed_attention"]
+    seen = {}  # query token → the tokens of the keys it sees
+    for g in range(len(p["q_index"])):
+        for slot in p["q_valid"][g].nonzero()[:, 0].tolist():
+            keys = p["k_index"][g][p["mask"][g, slot]]
+            seen[int(ids[p["q_index"][g, slot]])] = ids[keys].tolist()
+    assert seen == {11: [11], 12: [11, 12], 21: [21], 22: [21, 22], 23: [21, 22, 23],
+                    31: [11, 12, 31], 32: [11, 12, 31, 32], 33: [11, 12, 33],
+                    41: [21, 22, 23, 41], 42: [21, 22, 23, 41, 42]}
+    assert keep.tolist() == [1, 5, 1, 4, 8]
+    assert ids[keep].tolist() == [12, 31, 12, 23, 41]  # the tokens whose outputs predict 31, 32, 33, 41, 42
