@@ -18,6 +18,9 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -
         k2 = ½ (log r)²              biased, low variance
         k3 = (r − 1) − log r         unbiased, low variance, always ≥ 0
         abs = |log r|
+
+    k3 clamps log r to ±20, as verl does, so that r stays finite. verl also clamps k3 itself to ±10 (kl_penalty,
+    "low_var_kl"); not here: that biases k3 low and gives no gradient to the tokens farthest from π_ref.
     """
     log_ratio = ref_logprobs - logprobs
     if kind == "k1":
@@ -25,8 +28,7 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -
     if kind == "k2":
         return 0.5 * log_ratio.square()
     if kind == "k3":
-        # clamp: exp of a large log-ratio overflows long before it carries any useful signal
-        log_ratio = log_ratio.clamp(-20, 20)
+        log_ratio = log_ratio.clamp(-20, 20)  # e^20 ≈ 5e8: finite in fp32 and bf16
         return (log_ratio.exp() - 1) - log_ratio
     if kind == "abs":
         return log_ratio.abs()
