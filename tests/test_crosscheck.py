@@ -1,0 +1,424 @@
+"""The library's math equals verl's and OpenRLHF's own functions, called on the same random tensors.
+
+verl 0.9.1 and OpenRLHF 0.11.2 (the versions the code cites) are installed by these tests with
+`pip install --no-deps --target` into kept folders under the temp dir (conftest.pip_install); every test is
+skipped, with the reason, where pip cannot install them. Their real code runs; nothing of theirs is rewritten:
+  * verl: verl/trainer/ppo/core_algos.py is imported as shipped. Two package __init__ files on its import path
+    import ray (verl/__init__.py, verl/utils/profiler/__init__.py): they are skipped (conftest.bare_packages), and
+    the one name verl's config modules take from the profiler package, ProfilerConfig, is bound to verl's own class.
+    The small packages core_algos needs to import (omegaconf and its antlr4 runtime, tensordict, pyvers,
+    codetiming) are installed --no-deps beside it.
+  * OpenRLHF: openrlhf/models/utils.py imports deepspeed and trainer/ppo_utils/experience_maker.py imports ray at
+    the top; neither installs here (deepspeed ships only as source, to build against torch; ray is 240 MB) and
+    the functions compared use neither (checked). Those two files are compiled from their own text minus those
+    import lines, with annotations left unevaluated (PEP 563); everything else they import is OpenRLHF's own code,
+    its package __init__ files skipped as verl's are.
+
+Conventions that differ on purpose, each asserted as the relation it is:
+  1. Whitening: this library (masked_whiten) and OpenRLHF divide by the biased standard deviation (variance
+     Σ(x − μ)²/N); verl's masked_whiten uses the unbiased one (/(N − 1)), so verl's whitened values are this
+     library's times √((N − 1)/N), N the number of real tokens.
+  2. KL clamps: verl caps k3 at 10 (k1, k2, abs unclamped); OpenRLHF caps k1, k2 and k3 at ±10; this library caps
+     no estimate, and clamps only k3's log-ratio, to ±20 before exp (as verl does too).
+  3. Padding: this library returns 0 on padding everywhere; verl's GAE returns are Â + V with V left on padding,
+     OpenRLHF's rewards keep −β·KL and its whitened advantages −μ/σ there. Their losses mask all of it, so the
+     comparisons are on real tokens where one side leaves such values.
+  4. verl clamps the policy's log-ratio to ±20 before exp, this library does not: the inputs stay within ±3.
+Masks are right-padded, as this library makes them (a response, then padding).
+"""
+import __future__
+import ast
+import importlib
+import os
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+from torch.testing import assert_close
+
+import critic
+import kl
+import ppo
+from conftest import bare_packages, pip_install
+
+VERL = "verl==0.9.1"
+VERL_IMPORT_DEPS = ["omegaconf==2.3.0", "antlr4-python3-runtime==4.9.3", "tensordict==0.10.0", "pyvers==0.1.0",
+                    "codetiming==1.4.0"]
+OPENRLHF = "openrlhf==0.11.2"
+EXACT64 = dict(rtol=1e-12, atol=1e-12)  # float64 inputs: both sides do the same arithmetic up to rounding order
+EXACT32 = dict(rtol=1e-6, atol=1e-6)  # float32 inputs (OpenRLHF computes in float32)
+
+
+def agg_tolerance(mode):
+    """verl's seq-mean-token-mean divides each sequence's sum by its count + 1e-8: a relative 1e-8 at one token."""
+    return dict(rtol=2e-8, atol=0) if mode == "seq-mean-token-mean" else EXACT64
+
+
+@pytest.fixture(scope="module")
+def verl():
+    """verl's verl.trainer.ppo.core_algos module, from its pip install."""
+    root, deps = pip_install(VERL), pip_install(*VERL_IMPORT_DEPS)
+    if deps not in sys.path:
+        sys.path.append(deps)  # after the venv's packages: only what the venv lacks comes from here
+    bare_packages(root, "verl", "verl.utils.profiler")
+    try:
+        profiler_config = importlib.import_module("verl.utils.profiler.config")
+        sys.modules["verl.utils.profiler"].ProfilerConfig = profiler_config.ProfilerConfig
+        return importlib.import_module("verl.trainer.ppo.core_algos")
+    except ImportError as e:
+        pytest.skip(f"verl's core_algos does not import with {', '.join(VERL_IMPORT_DEPS)}: {e}")
+
+
+def module_without_imports(name: str, path: str, dropped: set):
+    """Module `name` compiled from the file at `path` without its top-level imports of the modules in `dropped`,
+    annotations unevaluated; registered in sys.modules so that the files importing it find it."""
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    tree.body = [node for node in tree.body
+                 if not (isinstance(node, ast.Import) and {a.name for a in node.names} <= dropped)
+                 and not (isinstance(node, ast.ImportFrom) and node.module in dropped)]
+    module = types.ModuleType(name)
+    module.__file__ = path
+    sys.modules[name] = module
+    exec(compile(tree, path, "exec", flags=__future__.annotations.compiler_flag, dont_inherit=True), module.__dict__)
+    return module
+
+
+def names_used(fn) -> set:
+    """Every global name a function's code (nested code included) refers to."""
+    codes, names = [fn.__code__], set()
+    while codes:
+        code = codes.pop()
+        names |= set(code.co_names)
+        codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    return names
+
+
+@pytest.fixture(scope="module")
+def openrlhf():
+    """OpenRLHF's compute_approx_kl, compute_reward, Experience, KL controllers and RemoteExperienceMaker."""
+    root = pip_install(OPENRLHF)
+    bare_packages(root, "openrlhf", "openrlhf.models", "openrlhf.utils", "openrlhf.trainer",
+                  "openrlhf.trainer.ppo_utils")
+    package = os.path.join(root, "openrlhf")
+    try:
+        utils = module_without_imports("openrlhf.models.utils", os.path.join(package, "models", "utils.py"),
+                                       {"deepspeed"})
+        maker = module_without_imports("openrlhf.trainer.ppo_utils.experience_maker",
+                                       os.path.join(package, "trainer", "ppo_utils", "experience_maker.py"),
+                                       {"ray", "openrlhf.trainer.ray.launcher"})
+        from openrlhf.trainer.ppo_utils.experience import Experience
+        from openrlhf.trainer.ppo_utils.kl_controller import AdaptiveKLController, FixedKLController
+    except ImportError as e:
+        pytest.skip(f"OpenRLHF's modules do not import here: {e}")
+    compared = [utils.compute_approx_kl, utils.compute_reward, maker.RemoteExperienceMaker.get_cumulative_returns,
+                maker.RemoteExperienceMaker.get_advantages_and_returns,
+                maker.RemoteExperienceMaker.compute_advantages_and_returns]
+    for fn in compared:
+        assert not names_used(fn) & {"deepspeed", "ray", "RayActorGroup"}, fn.__qualname__
+    return types.SimpleNamespace(compute_approx_kl=utils.compute_approx_kl, compute_reward=utils.compute_reward,
+                                 RemoteExperienceMaker=maker.RemoteExperienceMaker, Experience=Experience,
+                                 AdaptiveKLController=AdaptiveKLController, FixedKLController=FixedKLController)
+
+
+def right_padded_mask(B, T, generator, dtype=torch.float64):
+    """(B, T) mask of 1s then 0s with random lengths in 1..T; row 0 is full, row 1 has one token."""
+    lengths = torch.randint(1, T + 1, (B,), generator=generator)
+    lengths[0], lengths[1] = T, 1
+    return (torch.arange(T)[None] < lengths[:, None]).to(dtype)
+
+
+def randn(*shape, generator, dtype=torch.float64):
+    return torch.randn(*shape, generator=generator, dtype=dtype)
+
+
+# ---- verl: advantages
+
+
+def test_gae_equals_verls_before_whitening(verl):
+    """critic.gae's returns equal verl's compute_gae_advantage_return's on every real token, and its advantages
+    equal verl's Â = returns − V (verl hands out its advantages only whitened); rewards and values on padding are
+    random, so anything either side read from padding would show."""
+    g = torch.Generator().manual_seed(0)
+    mask = right_padded_mask(6, 9, g)
+    rewards, values = randn(6, 9, generator=g), randn(6, 9, generator=g)
+    adv, ret = critic.gae(rewards, values, mask, gamma=0.97, lam=0.9)
+    _, verl_ret = verl.compute_gae_advantage_return(rewards, values, mask, gamma=0.97, lam=0.9)
+    real = mask.bool()
+    assert_close(ret[real], verl_ret[real], **EXACT64)
+    assert_close(adv[real], (verl_ret - values)[real], **EXACT64)
+    assert torch.all(adv[~real] == 0) and torch.all(ret[~real] == 0)
+
+
+def test_whitened_gae_is_verls_times_the_bessel_factor(verl):
+    """Convention 1: verl whitens GAE advantages with the unbiased variance, masked_whiten with the biased one, so
+    on real tokens verl's = masked_whiten(Â) · √((N − 1)/N) with N real tokens (here N is small, so the factor is
+    far from 1 and a mismatch in the convention would show)."""
+    g = torch.Generator().manual_seed(1)
+    mask = right_padded_mask(4, 5, g)
+    rewards, values = randn(4, 5, generator=g), randn(4, 5, generator=g)
+    adv, _ = critic.gae(rewards, values, mask, gamma=1.0, lam=0.95)
+    verl_adv, _ = verl.compute_gae_advantage_return(rewards, values, mask, gamma=1.0, lam=0.95)
+    n, real = mask.sum().item(), mask.bool()
+    assert n < 20
+    assert_close(verl_adv[real], ppo.masked_whiten(adv, mask)[real] * ((n - 1) / n) ** 0.5, rtol=1e-7, atol=1e-7)
+
+
+def outcome_rewards(scores, mask):
+    """(B, T) token rewards: each score at its response's last real token, as both libraries lay them out."""
+    rewards = torch.zeros_like(mask)
+    rewards[torch.arange(len(scores)), mask.sum(1).long() - 1] = scores
+    return rewards
+
+
+def group_scores(groups, n, generator):
+    """(groups·n,) scores: random, one group all equal (its std is 0) and one group of 0/1 outcomes."""
+    scores = randn(groups, n, generator=generator)
+    scores[0] = 1.0
+    scores[1] = torch.tensor([0.0, 1.0] * (n // 2), dtype=scores.dtype)
+    return scores.reshape(-1)
+
+
+@pytest.mark.parametrize("norm_by_std", [True, False])
+def test_grpo_equals_verls(verl, norm_by_std):
+    """grpo_advantages equals verl's compute_grpo_outcome_advantage with the same norm_adv_by_std_in_grpo, on every
+    token, for groups of n = 4 responses (a group with equal scores gives 0, not a division by zero)."""
+    g, n = torch.Generator().manual_seed(2), 4
+    mask = right_padded_mask(16, 6, g)
+    scores = group_scores(4, n, g)
+    index = np.array([f"prompt-{i // n}" for i in range(16)], dtype=object)
+    theirs, _ = verl.compute_grpo_outcome_advantage(outcome_rewards(scores, mask), mask, index,
+                                                    norm_adv_by_std_in_grpo=norm_by_std)
+    ours = ppo.grpo_advantages(scores, mask, n, norm_by_std=norm_by_std)
+    assert_close(ours, theirs, **EXACT64)
+    assert torch.all(ours[:n] == 0) and ours.abs().max() > 0.1
+
+
+def test_rloo_equals_verls(verl):
+    """rloo_advantages equals verl's compute_rloo_outcome_advantage on every token, groups of n = 4."""
+    g, n = torch.Generator().manual_seed(3), 4
+    mask = right_padded_mask(16, 6, g)
+    scores = group_scores(4, n, g)
+    index = np.array([f"prompt-{i // n}" for i in range(16)], dtype=object)
+    theirs, _ = verl.compute_rloo_outcome_advantage(outcome_rewards(scores, mask), mask, index)
+    assert_close(ppo.rloo_advantages(scores, mask, n), theirs, **EXACT64)
+
+
+# ---- verl: losses
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+def test_policy_loss_equals_verls_vanilla(verl, mode):
+    """policy_loss + agg_loss equal verl's compute_policy_loss_vanilla (asymmetric clip 0.2/0.28, dual clip c = 3)
+    in each aggregation mode, and the clipped share equals verl's pg_clipfrac. agg_loss gets this batch's own token
+    and sequence counts, which is what verl uses without global batch info. Log-ratios stay within ±3, so verl's
+    ±20 clamp before exp never bites (convention 4); both clips and the dual clip do bite here."""
+    from omegaconf import OmegaConf
+    g = torch.Generator().manual_seed(4)
+    mask = right_padded_mask(8, 8, g)
+    old_logprobs = -3 * torch.rand(8, 8, generator=g, dtype=torch.float64)
+    logprobs = old_logprobs + (0.8 * randn(8, 8, generator=g)).clamp(-3, 3)
+    advantages = randn(8, 8, generator=g)
+    ratio, real = (logprobs - old_logprobs).exp(), mask.bool()
+    assert ((advantages < 0) & (ratio > 3) & real).any() and ((advantages > 0) & (ratio > 1.28) & real).any()
+    config = OmegaConf.create({"clip_ratio": 0.2, "clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": 3.0,
+                               "global_batch_info": {}})
+    theirs, metrics = verl.compute_policy_loss_vanilla(old_logprobs, logprobs, advantages, mask, mode, config)
+    pg, clipped = ppo.policy_loss(logprobs, old_logprobs, advantages, clip_low=0.2, clip_high=0.28, clip_c=3.0)
+    ours = ppo.agg_loss(pg, mask, mode, num_tokens=mask.sum().item(), num_seqs=float(len(mask)))
+    assert_close(ours, theirs, **agg_tolerance(mode))
+    # verl's masked_mean divides by the count + 1e-8
+    assert ppo.masked_mean(clipped, mask).item() == pytest.approx(metrics["actor/pg_clipfrac"], rel=1e-8)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+def test_agg_loss_of_a_micro_batch_equals_verls_with_global_counts(verl, mode):
+    """A micro-batch's share: agg_loss with the mini-batch's token and sequence counts equals verl's agg_loss given
+    the same counts as batch_num_tokens and global_batch_size (one data-parallel rank)."""
+    g = torch.Generator().manual_seed(5)
+    mask, loss_mat = right_padded_mask(5, 7, g), randn(5, 7, generator=g)
+    num_tokens, num_seqs = 61.0, 16.0  # the mini-batch this micro-batch belongs to
+    theirs = verl.agg_loss(loss_mat, mask, mode, dp_size=1, batch_num_tokens=num_tokens, global_batch_size=num_seqs)
+    assert_close(ppo.agg_loss(loss_mat, mask, mode, num_tokens, num_seqs), theirs, **agg_tolerance(mode))
+
+
+def test_value_loss_equals_verls(verl):
+    """critic.value_loss, token-mean over real tokens, equals verl's compute_value_loss with token-mean, and the
+    clipped share equals verl's vf_clipfrac (values move up to ±1 from the old ones, so the ±0.2 clip bites)."""
+    g = torch.Generator().manual_seed(6)
+    mask = right_padded_mask(6, 8, g)
+    old_values, returns = randn(6, 8, generator=g), randn(6, 8, generator=g)
+    values = old_values + torch.rand(6, 8, generator=g, dtype=torch.float64) * 2 - 1
+    loss_mat, clipfrac = critic.value_loss(values, old_values, returns, mask, cliprange=0.2)
+    theirs, verl_clipfrac = verl.compute_value_loss(values, returns, old_values, mask, cliprange_value=0.2,
+                                                    loss_agg_mode="token-mean")
+    ours = ppo.agg_loss(loss_mat, mask, "token-mean", num_tokens=mask.sum().item(), num_seqs=float(len(mask)))
+    assert_close(ours, theirs, **EXACT64)
+    assert 0 < clipfrac < 1
+    assert_close(clipfrac, verl_clipfrac, rtol=1e-8, atol=0)  # verl's masked_mean divides by the count + 1e-8
+
+
+# ---- verl: KL
+
+
+@pytest.mark.parametrize("ours, theirs", [("k1", "kl"), ("k1", "k1"), ("k2", "mse"), ("k2", "k2"),
+                                          ("k3", "low_var_kl"), ("k3", "k3"), ("abs", "abs")])
+def test_kl_estimators_equal_verls(verl, ours, theirs):
+    """kl_estimate equals verl's kl_penalty under each of verl's names for the estimator, at every token (the
+    estimate is per token, so padding holds ordinary values), for log-ratios within ±2 (k3 ≤ 4.4, inside verl's
+    cap of 10)."""
+    g = torch.Generator().manual_seed(7)
+    logprobs = -3 * torch.rand(6, 8, generator=g, dtype=torch.float64)
+    ref_logprobs = logprobs + 4 * torch.rand(6, 8, generator=g, dtype=torch.float64) - 2
+    expected = verl.kl_penalty(logprobs, ref_logprobs, theirs)
+    assert_close(kl.kl_estimate(logprobs, ref_logprobs, ours), expected, **EXACT64)
+
+
+def test_k3_is_verls_uncapped(verl):
+    """Convention 2: for log-ratios log r = log π_ref − log π from −25 to 25, verl's k3 is min(k3, 10): equal up
+    to 10, 10 beyond (e.g. log r = 3: e³ − 4 = 16.09 here, 10 in verl); verl's k1, k2, abs equal ours everywhere."""
+    logprobs = torch.zeros(101, dtype=torch.float64)
+    ref_logprobs = torch.linspace(-25, 25, 101, dtype=torch.float64)
+    ours = kl.kl_estimate(logprobs, ref_logprobs, "k3")
+    theirs = verl.kl_penalty(logprobs, ref_logprobs, "k3")
+    assert_close(theirs, ours.clamp(max=10), **EXACT64)
+    assert ours[ref_logprobs == 3].item() == pytest.approx(np.exp(3) - 4) and theirs[ref_logprobs == 3].item() == 10
+    for kind, name in [("k1", "kl"), ("k2", "mse"), ("abs", "abs")]:
+        assert_close(kl.kl_estimate(logprobs, ref_logprobs, kind), verl.kl_penalty(logprobs, ref_logprobs, name),
+                     **EXACT64)
+
+
+def adaptive_kl_trajectory(controller) -> list:
+    """β after each of 30 updates with KLs from 0 to 3× the target 0.1 (so the ±20 % error clip bites)."""
+    rng = np.random.default_rng(8)
+    values = []
+    for current_kl in rng.uniform(0, 0.3, size=30):
+        controller.update(float(current_kl), 64)
+        values.append(controller.value)
+    return values
+
+
+def test_kl_controllers_equal_verls(verl):
+    """KLController("adaptive") gives the same β as verl's AdaptiveKLController after every update (β moves), and
+    "fixed" keeps β as verl's FixedKLController does."""
+    ours = adaptive_kl_trajectory(kl.KLController("adaptive", kl_coef=0.05, target_kl=0.1, horizon=1000))
+    theirs = adaptive_kl_trajectory(verl.AdaptiveKLController(init_kl_coef=0.05, target_kl=0.1, horizon=1000))
+    assert ours == pytest.approx(theirs, rel=1e-12) and ours[-1] != pytest.approx(0.05, rel=1e-3)
+    fixed = adaptive_kl_trajectory(kl.KLController("fixed", kl_coef=0.05, target_kl=0.1, horizon=1000))
+    assert fixed == adaptive_kl_trajectory(verl.FixedKLController(kl_coef=0.05)) == [0.05] * 30
+
+
+# ---- OpenRLHF
+
+
+@pytest.mark.parametrize("kind", ["k1", "k2", "k3"])
+def test_kl_estimators_equal_openrlhfs(openrlhf, kind):
+    """kl_estimate equals OpenRLHF's compute_approx_kl (same names k1, k2, k3) at every token, in float32 as
+    OpenRLHF computes, for log-ratios within ±2 (inside its ±10 cap)."""
+    g = torch.Generator().manual_seed(9)
+    logprobs = -3 * torch.rand(6, 8, generator=g)
+    ref_logprobs = logprobs + 4 * torch.rand(6, 8, generator=g) - 2
+    theirs = openrlhf.compute_approx_kl(logprobs, ref_logprobs, kl_estimator=kind)
+    assert_close(kl.kl_estimate(logprobs, ref_logprobs, kind), theirs, **EXACT32)
+
+
+def test_openrlhf_caps_every_estimator_at_10(openrlhf):
+    """Convention 2: for log-ratios from −25 to 25, OpenRLHF's k1, k2 and k3 are ours clamped to [−10, 10]
+    (e.g. k1 at log π − log π_ref = 12 is 12 here, 10 in OpenRLHF)."""
+    ref_logprobs = torch.linspace(-25, 25, 101)
+    logprobs = torch.zeros(101)
+    for kind in ("k1", "k2", "k3"):
+        ours = kl.kl_estimate(logprobs, ref_logprobs, kind)
+        assert_close(openrlhf.compute_approx_kl(logprobs, ref_logprobs, kl_estimator=kind), ours.clamp(-10, 10),
+                     **EXACT32)
+    k1_at_12 = kl.kl_estimate(torch.tensor([12.0]), torch.tensor([0.0]), "k1")
+    assert k1_at_12.item() == 12 and openrlhf.compute_approx_kl(torch.tensor([12.0]), torch.tensor([0.0])).item() == 10
+
+
+def test_adaptive_kl_controller_equals_openrlhfs(openrlhf):
+    """KLController("adaptive") gives the same β as OpenRLHF's AdaptiveKLController after every update."""
+    ours = adaptive_kl_trajectory(kl.KLController("adaptive", kl_coef=0.05, target_kl=0.1, horizon=1000))
+    theirs = adaptive_kl_trajectory(openrlhf.AdaptiveKLController(init_kl_coef=0.05, target=0.1, horizon=1000))
+    assert ours == pytest.approx(theirs, rel=1e-12)
+
+
+def openrlhf_batch(seed, B=6, T=7):
+    """Scores (B,), per-token KL, values and a right-padded mask, float32."""
+    g = torch.Generator().manual_seed(seed)
+    mask = right_padded_mask(B, T, g, dtype=torch.float32)
+    scores = randn(B, generator=g, dtype=torch.float32)
+    kl_tokens = torch.rand(B, T, generator=g) * 0.5
+    values = randn(B, T, generator=g, dtype=torch.float32)
+    return scores, kl_tokens, values, mask
+
+
+def test_kl_penalty_rewards_equal_openrlhfs_compute_reward(openrlhf):
+    """kl_penalty_rewards equals OpenRLHF's compute_reward (−β·KL at every token, + the score at the last real one)
+    on real tokens; on padding ours is 0 (OpenRLHF leaves −β·KL there, convention 3)."""
+    scores, kl_tokens, _, mask = openrlhf_batch(10)
+    ours = kl.kl_penalty_rewards(scores, kl_tokens, mask, beta=0.05)
+    theirs = openrlhf.compute_reward(scores, 0.05, kl_tokens, action_mask=mask.bool())
+    real = mask.bool()
+    assert_close(ours[real], theirs[real], **EXACT32)
+    assert torch.all(ours[~real] == 0)
+
+
+def test_reinforce_plus_plus_returns_equal_openrlhfs_cumulative_returns(openrlhf):
+    """reinforce_plus_plus_advantages' returns G_t = r_t + γ·G_{t+1} equal OpenRLHF's get_cumulative_returns at
+    every token, padding (0 on both sides) included, with random rewards on padding that both must ignore."""
+    g = torch.Generator().manual_seed(11)
+    mask = right_padded_mask(6, 9, g, dtype=torch.float32)
+    rewards = randn(6, 9, generator=g, dtype=torch.float32)
+    _, ours = ppo.reinforce_plus_plus_advantages(rewards, mask, gamma=0.9)
+    theirs = openrlhf.RemoteExperienceMaker.get_cumulative_returns(None, rewards, mask.bool(), 0.9)
+    assert_close(ours, theirs, **EXACT32)
+
+
+def test_gae_equals_openrlhfs(openrlhf):
+    """critic.gae equals OpenRLHF's get_advantages_and_returns (advantages and returns) at every token, padding
+    included, with random rewards and values on padding that both must ignore."""
+    g = torch.Generator().manual_seed(12)
+    mask = right_padded_mask(6, 9, g)
+    rewards, values = randn(6, 9, generator=g), randn(6, 9, generator=g)
+    adv, ret = critic.gae(rewards, values, mask, gamma=0.97, lam=0.9)
+    their_adv, their_ret = openrlhf.RemoteExperienceMaker.get_advantages_and_returns(None, values, rewards, mask,
+                                                                                     0.97, 0.9)
+    assert_close(adv, their_adv, **EXACT64)
+    assert_close(ret, their_ret, **EXACT64)
+
+
+@pytest.mark.parametrize("estimator", ["reinforce", "gae"])
+def test_advantages_equal_openrlhfs_experience_maker(openrlhf, estimator):
+    """OpenRLHF's compute_advantages_and_returns, run on two experiences as its trainer runs it (rewards from score
+    and KL, the `reinforce` (REINFORCE++) or `gae` estimator, then whitening over the real tokens of ALL
+    experiences with the biased variance, convention 1) gives, on real tokens, the returns and advantages of
+    kl_penalty_rewards → reinforce_plus_plus_advantages (or gae → masked_whiten) on the whole batch."""
+    scores, kl_tokens, values, mask = openrlhf_batch(13)
+    beta, gamma, lam = 0.05, 0.9, 0.95
+    experiences = [openrlhf.Experience(action_mask=mask[rows].bool(), kl=kl_tokens[rows], values=values[rows],
+                                       rewards=scores[rows].clone(), index=list(range(rows.start, rows.stop)))
+                   for rows in (slice(0, 4), slice(4, 6))]
+    advantage = types.SimpleNamespace(estimator=estimator, gamma=gamma, lambd=lam, no_std_norm=False)
+    args = types.SimpleNamespace(rollout=types.SimpleNamespace(n_samples_per_prompt=1),
+                                 algo=types.SimpleNamespace(advantage=advantage),
+                                 reward=types.SimpleNamespace(clip_range=None))
+    maker = object.__new__(openrlhf.RemoteExperienceMaker)  # its __init__ stores ray actor groups and these:
+    maker.strategy = types.SimpleNamespace(args=args)
+    maker.kl_ctl = openrlhf.FixedKLController(beta)
+    maker.advantage_estimator = estimator
+    maker.compute_advantages_and_returns(experiences)
+    their_adv = torch.cat([e.advantages for e in experiences])
+    their_ret = torch.cat([e.returns for e in experiences])
+
+    rewards = kl.kl_penalty_rewards(scores, kl_tokens, mask, beta)
+    if estimator == "reinforce":
+        adv, ret = ppo.reinforce_plus_plus_advantages(rewards, mask, gamma)
+    else:
+        adv, ret = critic.gae(rewards, values, mask, gamma, lam)
+        adv = ppo.masked_whiten(adv, mask)
+    real = mask.bool()
+    assert_close(ret[real], their_ret[real], **EXACT32)
+    assert_close(adv[real], their_adv[real], rtol=1e-5, atol=1e-5)
+    assert torch.all(adv[~real] == 0)
