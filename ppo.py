@@ -38,12 +38,14 @@ from typing import Optional
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
+from accelerate.utils import extract_model_from_parallel as unwrap_model
 from tqdm import tqdm
 
 import config
 import data
 from batches import (batch_layout, forward_logprobs, forward_values, micro_batch, per_token_pass, split_micro,
                      use_varlen_attention)
+from advantages import grpo_advantages, masked_mean, masked_whiten, reinforce_plus_plus_advantages, rloo_advantages
 from critic import explained_variance, gae, load_critic, value_loss
 from distributed import describe, distribute, fsdp_from_launcher, full_state_dict, train_step
 from kl import KLController, kl_estimate, kl_penalty_rewards
@@ -59,59 +61,7 @@ CONSOLE_KEYS = ["score/mean", "reward/mean", "kl/mean", "policy/entropy", "polic
                 "time/step_s"]
 
 # ---------------------------------------------------------------------------------------
-# Math: small pure functions, each a line of a paper
-
-
-def masked_mean(x, mask, dim=None):
-    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
-
-
-def masked_whiten(x, mask, reduce_sum=None, eps=1e-8):
-    """(x − mean) / std over the real tokens of the whole batch; padding stays 0. Biased variance, as in
-    lm-human-preferences (verl divides by N − 1). reduce_sum sums a tensor over processes (None: one process),
-    so that 2 processes whiten as 1 would."""
-    sums = torch.stack([(x * mask).sum(), (x.square() * mask).sum(), mask.sum()]).double()  # Σx, Σx², N
-    total, total_sq, count = (reduce_sum(sums) if reduce_sum else sums).tolist()
-    mean = total / max(count, 1)
-    var = max(total_sq / max(count, 1) - mean ** 2, 0.0)
-    return ((x - mean) / (var + eps) ** 0.5 * mask).to(x.dtype)
-
-
-def grpo_advantages(returns, response_mask, n: int, norm_by_std: bool, eps=1e-6):
-    """Â_i = (R_i − mean_g R) / (std_g R + ε) over the n samples g of a prompt   (Shao et al., 2024)
-
-    norm_by_std=False drops the division (Liu et al., 2025, "Dr. GRPO"). returns (B,) → (B, Tr).
-    """
-    groups = returns.view(-1, n)  # (B/n, n)
-    adv = groups - groups.mean(dim=1, keepdim=True)
-    if norm_by_std:
-        adv = adv / (groups.std(dim=1, keepdim=True) + eps)
-    return adv.reshape(-1, 1) * response_mask
-
-
-def rloo_advantages(returns, response_mask, n: int):
-    """Â_i = R_i − 1/(n−1) · Σ_{j≠i} R_j   (Ahmadian et al., 2024, REINFORCE leave-one-out)"""
-    groups = returns.view(-1, n)  # (B/n, n)
-    baseline = (groups.sum(dim=1, keepdim=True) - groups) / (n - 1)
-    return (groups - baseline).reshape(-1, 1) * response_mask
-
-
-def reinforce_plus_plus_advantages(rewards, response_mask, gamma: float, reduce_sum=None):
-    """REINFORCE++ (Hu, 2025; OpenRLHF's `reinforce` estimator, trainer/ppo_utils/experience_maker.py):
-
-        G_t = r_t + γ·G_{t+1}        r_t = −β·KL_t at every token, + the score at the last real token
-        Â_t = (G_t − μ) / σ         μ, σ² = mean and variance of G over the real tokens of the GLOBAL batch
-    reduce_sum sums a tensor over processes (None: this process holds the whole batch).
-    rewards, response_mask (B, Tr) → (advantages, returns), both zero on padding.
-    """
-    rewards = rewards * response_mask
-    returns = torch.zeros_like(rewards)  # (B, Tr)
-    running = torch.zeros_like(rewards[:, 0])  # (B,)
-    for t in reversed(range(rewards.shape[1])):
-        running = rewards[:, t] + gamma * running
-        returns[:, t] = running
-    returns = returns * response_mask
-    return masked_whiten(returns, response_mask, reduce_sum), returns
+# The PPO loss: small pure functions, each a line of a paper (the advantages are in advantages.py)
 
 
 def policy_loss(logprobs, old_logprobs, advantages, clip_low: float, clip_high: float, clip_c: float):
@@ -388,12 +338,34 @@ def load_models(cfg, accelerator, fsdp, layout: str):
     return policy, ref, critic
 
 
-def ref_logprobs(ref, unwrapped_policy, micro, fwd: Forward):
+def ref_logprobs(ref, policy, micro, fwd: Forward):
     """log π_ref(y_t | prefix), (B, Tr): the reference model's, or with LoRA the actor's with its adapter disabled."""
     if ref is not None:
         return fwd.logprobs(ref, micro)[0]
-    with unwrapped_policy.disable_adapter():
-        return fwd.logprobs(unwrapped_policy, micro)[0]
+    with unwrap_model(policy).disable_adapter():
+        return fwd.logprobs(unwrap_model(policy), micro)[0]
+
+
+def set_train_mode(models: list, on: bool) -> None:
+    """Train mode for the updates, eval mode for the no-grad passes. That only switches gradient checkpointing
+    (transformers recomputes only in train mode), since every dropout is 0 (these configs' attention_dropout,
+    lora_dropout's default, the critic's head); a lora_dropout > 0 would make the first epoch's ratio differ from 1."""
+    for model in models:
+        if model is not None:
+            model.train(on)
+
+
+def resume(accelerator, cfg, checkpoint, checkpointed: dict, state: TrainState):
+    """The run's MetricsLogger; from a checkpoint (start_run's, or None), the models and optimisers of
+    `checkpointed` ({name: (model, optimiser)}) and `state` restored."""
+    t = cfg.trainer
+    logger = MetricsLogger(t.output_dir, t.logger, config.to_dict(cfg), t.project_name, t.experiment_name,
+                           accelerator.is_main_process, resume_id=wandb_resume_id(checkpoint))
+    saved_state = resume_or_start(accelerator, checkpoint, t.output_dir, logger, cfg, checkpointed)
+    if checkpoint:
+        state.load_state_dict(saved_state)
+        accelerator.print(f"resumed from {checkpoint} at step {state.step}")
+    return logger
 
 
 def cut_off(responses, lengths, max_length: int, eos_ids) -> torch.Tensor:
@@ -462,19 +434,17 @@ def main(cfg: config.Config):
     checkpointed = {"policy": (policy, actor_opt)}  # {name: (model, optimiser)} saved beside state.json
     if critic is not None:
         checkpointed["critic"] = (critic, critic_opt)
-    logger = MetricsLogger(t.output_dir, t.logger, config.to_dict(cfg), t.project_name, t.experiment_name,
-                           accelerator.is_main_process, resume_id=wandb_resume_id(resume_from))
-    saved_state = resume_or_start(accelerator, resume_from, t.output_dir, logger, cfg, checkpointed)
-    if resume_from:
-        state.load_state_dict(saved_state)
-        print0(f"resumed from {resume_from} at step {state.step}")
+    logger = resume(accelerator, cfg, resume_from, checkpointed, state)
     rollout = make_rollout(cfg, policy, tokenizer, accelerator, dtype, synced_forwards=fsdp is not None)
-    unwrapped = accelerator.unwrap_model(policy)
     reduce_sum = functools.partial(sum_over_processes, accelerator)
     max_tokens = cfg.actor.max_token_len_per_device if cfg.actor.use_dynamic_bsz else 0  # 0: micro-batches by count
     # departure 3: one epoch of one mini-batch and no KL in the reward: the update's forward gives old_logprobs
     on_policy_shortcut = cfg.actor.ppo_epochs == 1 and sizes.num_mini == 1 and not alg.use_kl_in_reward
     use_ref = alg.use_kl_in_reward or alg.use_kl_loss
+    # step 7 updates: (name, model, optimiser, LR schedule, loss of a micro-batch, micro-batch size, max grad norm)
+    actor_update = ("actor", policy, actor_opt, actor_sched, actor_loss, sizes.actor_micro, cfg.actor.max_grad_norm)
+    critic_update = ("critic", critic, critic_opt, critic_sched, critic_loss, sizes.critic_micro,
+                     cfg.critic.max_grad_norm)
 
     if t.val_before_train and val_rows and state.step == 0:
         metrics = validate(cfg, rollout, tokenizer, scorer, val_rows, accelerator)
@@ -512,13 +482,8 @@ def main(cfg: config.Config):
             scores = scores + cfg.reward.overlong_penalty * truncated.float()
         metrics.update(reward_metrics)
 
-        # ---- 4. old/ref logprobs and values, without grad, micro-batched. Eval mode here, train mode for the
-        # updates: that only switches gradient checkpointing (transformers recomputes only in train mode), since
-        # every dropout is 0 (these configs' attention_dropout, lora_dropout's default, the critic's head). A
-        # lora_dropout > 0 would make the first epoch's ratio differ from 1.
-        for model in (policy, critic):
-            if model is not None:
-                model.eval()
+        # ---- 4. old/ref logprobs and values: no grad, micro-batched, in eval mode (set_train_mode says why)
+        set_train_mode([policy, critic], False)
         no_grad_pass = functools.partial(per_token_pass, batch=batch, max_tokens=max_tokens, lengths=tok_lengths,
                                          size=cfg.actor.log_prob_micro_batch_size_per_device, device=device)
         if not on_policy_shortcut:
@@ -526,7 +491,7 @@ def main(cfg: config.Config):
                 batch["old_logprobs"] = no_grad_pass(lambda micro: fwd.logprobs(policy, micro)[0])  # (B, Tr)
         if use_ref:
             with timed(times, "time/ref_s"):
-                batch["ref_logprobs"] = no_grad_pass(lambda micro: ref_logprobs(ref, unwrapped, micro, fwd))  # (B, Tr)
+                batch["ref_logprobs"] = no_grad_pass(lambda micro: ref_logprobs(ref, policy, micro, fwd))  # (B, Tr)
         if critic is not None:
             with timed(times, "time/values_s"):
                 batch["old_values"] = no_grad_pass(lambda micro: fwd.values(critic, micro)) * response_mask  # (B, Tr)
@@ -555,14 +520,9 @@ def main(cfg: config.Config):
         batch["advantages"] = advantages
 
         # ---- 7. PPO epochs over mini-batches, gradient accumulation over micro-batches
-        for model in (policy, critic):
-            if model is not None:
-                model.train()
+        set_train_mode([policy, critic], True)
         update_actor = step > cfg.critic.warmup_steps  # critic warm-up: the actor waits for useful values
-        updates = [("actor", policy, actor_opt, actor_loss, sizes.actor_micro, cfg.actor.max_grad_norm)]
-        updates = updates if update_actor else []
-        if critic is not None:
-            updates.append(("critic", critic, critic_opt, critic_loss, sizes.critic_micro, cfg.critic.max_grad_norm))
+        updates = ([actor_update] if update_actor else []) + ([critic_update] if critic is not None else [])
         stats = defaultdict(list)  # metric → one value per micro-batch (grad norms: per optimiser step)
         order = torch.Generator().manual_seed(step_seed(t.seed, step, -1))
         for epoch in range(cfg.actor.ppo_epochs):
@@ -570,7 +530,7 @@ def main(cfg: config.Config):
                 # the mini-batch's tokens and sequences over every process normalise its loss (departure 4)
                 counts = torch.tensor([float(response_mask[mini_inds].sum()), float(len(mini_inds))], device=device)
                 counts = tuple((accelerator.reduce(counts, "sum") / accelerator.num_processes).tolist())
-                for name, model, optimizer, loss_fn, micro_size, max_norm in updates:
+                for name, model, optimizer, _, loss_fn, micro_size, max_norm in updates:
                     with timed(times, f"time/update_{name}_s"):
                         micro_batches = [micro_batch(batch, i, device)
                                          for i in split_micro(mini_inds, tok_lengths, micro_size, max_tokens)]
@@ -581,10 +541,8 @@ def main(cfg: config.Config):
                     for key, values in losses.items():
                         stats[key] += values
         metrics["actor/lr"] = actor_sched.get_last_lr()[0]
-        if update_actor:
-            actor_sched.step()
-        if critic is not None:
-            critic_sched.step()
+        for _, _, _, scheduler, *_ in updates:
+            scheduler.step()
 
         # ---- 8. sync rollout weights: the next batch must come from the updated policy
         if update_actor:

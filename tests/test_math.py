@@ -1,4 +1,4 @@
-"""The formulas of ppo.py, batches.py, critic.py, kl.py and utils.lr_lambda: hand-computed cases, plain loops,
+"""The formulas of ppo.py, advantages.py, batches.py, critic.py, kl.py and utils.lr_lambda: hand-computed cases, plain loops,
 and masking; and actor_loss on a tiny model, for the switches that act inside it."""
 import math
 
@@ -8,8 +8,8 @@ import torch
 from critic import explained_variance, gae, value_loss
 from kl import KLController, kl_estimate, kl_penalty_rewards
 from batches import chunked_logprobs_entropy, entropy_from_logits, logprobs_from_logits, split_micro
-from ppo import (actor_loss, agg_loss, grpo_advantages, masked_whiten, policy_loss, reinforce_plus_plus_advantages,
-                 rloo_advantages, rollout_is_weights)
+from advantages import grpo_advantages, masked_whiten, reinforce_plus_plus_advantages, rloo_advantages
+from ppo import actor_loss, agg_loss, policy_loss, rollout_is_weights
 from utils import lr_lambda
 
 
