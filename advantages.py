@@ -27,6 +27,26 @@ def masked_whiten(x, mask, reduce_sum=None, eps=1e-8):
     return ((x - mean) / (var + eps) ** 0.5 * mask).to(x.dtype)
 
 
+def gae(rewards, values, response_mask, gamma: float, lam: float):
+    """δ_t = r_t + γ·V_{t+1} − V_t ;  Â_t = δ_t + γλ·Â_{t+1} ;  R_t = Â_t + V_t   (Schulman et al., 2016)
+
+    All (B, Tr). V beyond the last real token is 0 (the episode ends at EOS or the length limit).
+    Returns (advantages, returns), zero on padding.
+    """
+    values = values * response_mask
+    next_advantage = torch.zeros_like(rewards[:, 0])  # (B,)
+    advantages = torch.zeros_like(rewards)  # (B, Tr)
+    for t in reversed(range(rewards.shape[1])):
+        next_value = values[:, t + 1] if t + 1 < rewards.shape[1] else torch.zeros_like(next_advantage)
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        next_advantage = delta + gamma * lam * next_advantage
+        # padding neither earns advantage nor passes it back
+        next_advantage = next_advantage * response_mask[:, t]
+        advantages[:, t] = next_advantage
+    returns = (advantages + values) * response_mask
+    return advantages, returns
+
+
 def grpo_advantages(returns, response_mask, n: int, norm_by_std: bool, eps=1e-6):
     """Â_i = (R_i − mean_g R) / (std_g R + ε) over the n samples g of a prompt   (Shao et al., 2024)
 

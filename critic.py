@@ -1,4 +1,4 @@
-"""The critic: a value model, generalised advantage estimation, and the clipped value loss.
+"""The critic: a value model and the clipped value loss (its values make GAE's advantages: advantages.gae).
 
 The value model is a causal-LM backbone with a scalar head on every token
 (`AutoModelForTokenClassification`, num_labels=1, as verl does). Initialised from the policy,
@@ -23,26 +23,6 @@ def load_critic(path: str) -> torch.nn.Module:
     if model.config.pad_token_id is None:
         model.config.pad_token_id = model.config.eos_token_id
     return model
-
-
-def gae(rewards, values, response_mask, gamma: float, lam: float):
-    """δ_t = r_t + γ·V_{t+1} − V_t ;  Â_t = δ_t + γλ·Â_{t+1} ;  R_t = Â_t + V_t   (Schulman et al., 2016)
-
-    All (B, Tr). V beyond the last real token is 0 (the episode ends at EOS or the length limit).
-    Returns (advantages, returns), zero on padding.
-    """
-    values = values * response_mask
-    next_advantage = torch.zeros_like(rewards[:, 0])  # (B,)
-    advantages = torch.zeros_like(rewards)  # (B, Tr)
-    for t in reversed(range(rewards.shape[1])):
-        next_value = values[:, t + 1] if t + 1 < rewards.shape[1] else torch.zeros_like(next_advantage)
-        delta = rewards[:, t] + gamma * next_value - values[:, t]
-        next_advantage = delta + gamma * lam * next_advantage
-        # padding neither earns advantage nor passes it back
-        next_advantage = next_advantage * response_mask[:, t]
-        advantages[:, t] = next_advantage
-    returns = (advantages + values) * response_mask
-    return advantages, returns
 
 
 def value_loss(values, old_values, returns, response_mask, cliprange: float):

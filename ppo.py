@@ -45,16 +45,17 @@ import config
 import data
 from batches import (batch_layout, forward_logprobs, forward_values, micro_batch, per_token_pass, split_micro,
                      use_varlen_attention)
-from advantages import grpo_advantages, masked_mean, masked_whiten, reinforce_plus_plus_advantages, rloo_advantages
-from critic import explained_variance, gae, load_critic, value_loss
+from advantages import (gae, grpo_advantages, masked_mean, masked_whiten, reinforce_plus_plus_advantages,
+                        rloo_advantages)
+from critic import explained_variance, load_critic, value_loss
 from distributed import describe, distribute, fsdp_from_launcher, full_state_dict, train_step
 from kl import KLController, kl_estimate, kl_penalty_rewards
 from rewards import check_data_sources, load_reward_function, rule_for, Scorer, score_responses
 from rollout import HFRollout, left_pad, make_rollout
 from utils import (add_lora, autocast_dtype, check_loggers, check_model_path, console_line, exact_div, load_policy,
                    load_reference, load_tokenizer, make_optimizer, MetricsLogger, plot_curves, reduce_metrics,
-                   restore_schedule, resume_or_start, sample_table, save_checkpoint, save_pretrained_atomic, start_run,
-                   StopSignal, timed, use_gradient_checkpointing, wandb_resume_id)
+                   restore_schedule, resume_or_start, run_script, sample_table, save_checkpoint,
+                   save_pretrained_atomic, start_run, StopSignal, timed, use_gradient_checkpointing, wandb_resume_id)
 
 CONSOLE_KEYS = ["score/mean", "reward/mean", "kl/mean", "policy/entropy", "policy/clipfrac", "loss/policy",
                 "loss/value", "value/explained_var", "response/length_mean", "val/score/mean", "val/rule_score/mean",
@@ -607,11 +608,4 @@ def main(cfg: config.Config):
 
 
 if __name__ == "__main__":
-    try:
-        main(config.parse_args(sys.argv[1:], __doc__))
-    except (config.ConfigError, data.DataError) as e:  # a user's mistake: one sentence, no traceback
-        sys.exit(f"ppo.py: {e}" if os.environ.get("RANK", "0") == "0" else 1)  # once, from rank 0
-    except KeyboardInterrupt:  # Ctrl-C while loading, or a second signal while training
-        if os.environ.get("RANK", "0") == "0":
-            print("ppo.py: interrupted; the last checkpoint is kept", file=sys.stderr)
-        sys.exit(130)
+    run_script(main, __doc__, config.Config, "ppo.py")

@@ -45,8 +45,8 @@ import data
 from distributed import distribute, fsdp_from_launcher, train_step
 from rollout import right_pad
 from utils import (add_lora, autocast, autocast_dtype, check_loggers, check_model_path, console_line, exact_div,
-                   load_tokenizer, make_optimizer, MetricsLogger, restore_schedule, resume_or_start, save_checkpoint,
-                   save_pretrained_atomic, start_run, StopSignal, wandb_resume_id)
+                   load_tokenizer, make_optimizer, MetricsLogger, restore_schedule, resume_or_start, run_script,
+                   save_checkpoint, save_pretrained_atomic, start_run, StopSignal, wandb_resume_id)
 
 # ---------------------------------------------------------------------------------------
 # Math and the model
@@ -356,7 +356,7 @@ class RewardModelScorer:
         arch = (AutoConfig.from_pretrained(path).architectures or ["?"])[0]
         if not arch.endswith("ForSequenceClassification"):
             raise config.ConfigError(f"{path} holds a {arch}, not a reward model (…ForSequenceClassification); "
-                             f"point reward.model_path at the final/ folder written by reward_model.py")
+                                     f"point reward.model_path at the final/ folder written by reward_model.py")
         self.tokenizer = load_tokenizer(path)
         self.device = torch.device(device)
         self.model = load_reward_model(path, self.tokenizer.pad_token_id).to(self.device).eval().requires_grad_(False)
@@ -365,7 +365,7 @@ class RewardModelScorer:
             stats_path = os.path.join(path, "reward_stats.json")
             if not os.path.isfile(stats_path):
                 raise config.ConfigError(f"reward.normalize needs {stats_path} (written by reward_model.py at the end "
-                                        f"of training); retrain, or set reward.normalize=false")
+                                         f"of training); retrain, or set reward.normalize=false")
             with open(stats_path) as f:
                 self.stats = json.load(f)
 
@@ -390,11 +390,4 @@ class RewardModelScorer:
 
 
 if __name__ == "__main__":
-    try:
-        main(config.parse_args(sys.argv[1:], __doc__, root=config.RewardModelStage))
-    except (config.ConfigError, data.DataError) as e:  # a user's mistake: one sentence, no traceback
-        sys.exit(f"reward_model.py: {e}" if os.environ.get("RANK", "0") == "0" else 1)  # once, from rank 0
-    except KeyboardInterrupt:  # Ctrl-C while loading, or a second signal while training
-        if os.environ.get("RANK", "0") == "0":
-            print("reward_model.py: interrupted; the last checkpoint is kept", file=sys.stderr)
-        sys.exit(130)
+    run_script(main, __doc__, config.RewardModelStage, "reward_model.py")

@@ -8,6 +8,7 @@ import re
 import shutil
 import signal
 import socket
+import sys
 import time
 from contextlib import contextmanager
 
@@ -16,6 +17,22 @@ import torch
 import config
 from config import ConfigError
 from distributed import load_training_state, save_training_state
+
+
+def run_script(main, doc: str, root, name: str) -> None:
+    """`accelerate launch <name> --config FILE key=value …` → main(config). A user's mistake (ConfigError,
+    DataError) ends the run in one sentence, printed once, by rank 0; Ctrl-C while loading ends it quietly (130)."""
+    from data import DataError
+
+    rank0 = os.environ.get("RANK", "0") == "0"
+    try:
+        main(config.parse_args(sys.argv[1:], doc, root))
+    except (ConfigError, DataError) as e:
+        sys.exit(f"{name}: {e}" if rank0 else 1)
+    except KeyboardInterrupt:  # Ctrl-C while loading, or a second signal while training
+        if rank0:
+            print(f"{name}: interrupted; the last checkpoint is kept", file=sys.stderr)
+        sys.exit(130)
 
 
 def exact_div(a: int, b: int, what: str) -> int:
@@ -74,7 +91,7 @@ def add_lora(model, rank: int, alpha: int, cfg_model, task_type: str):
     layers (every layer when 0). task_type TOKEN_CLS (a critic) also trains the new value head whole."""
     from peft import LoraConfig, get_peft_model
 
-    n_layers, top = model.config.num_hidden_layers, cfg_model.lora_top_layers
+    n_layers, top = model.config.get_text_config().num_hidden_layers, cfg_model.lora_top_layers
     lora = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=cfg_model.lora_dropout, task_type=task_type,
                       target_modules=list(cfg_model.target_modules),
                       layers_to_transform=list(range(n_layers - top, n_layers)) if 0 < top < n_layers else None)

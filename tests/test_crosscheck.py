@@ -38,9 +38,11 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+import advantages
 import critic
 import kl
 import ppo
+from advantages import masked_mean
 from conftest import bare_packages, pip_install
 
 VERL = "verl==0.9.1"
@@ -138,13 +140,13 @@ def randn(*shape, generator, dtype=torch.float64):
 
 
 def test_gae_equals_verls_before_whitening(verl):
-    """critic.gae's returns equal verl's compute_gae_advantage_return's on every real token, and its advantages
+    """advantages.gae's returns equal verl's compute_gae_advantage_return's on every real token, and its advantages
     equal verl's Â = returns − V (verl hands out its advantages only whitened); rewards and values on padding are
     random, so anything either side read from padding would show."""
     g = torch.Generator().manual_seed(0)
     mask = right_padded_mask(6, 9, g)
     rewards, values = randn(6, 9, generator=g), randn(6, 9, generator=g)
-    adv, ret = critic.gae(rewards, values, mask, gamma=0.97, lam=0.9)
+    adv, ret = advantages.gae(rewards, values, mask, gamma=0.97, lam=0.9)
     _, verl_ret = verl.compute_gae_advantage_return(rewards, values, mask, gamma=0.97, lam=0.9)
     real = mask.bool()
     assert_close(ret[real], verl_ret[real], **EXACT64)
@@ -159,11 +161,11 @@ def test_whitened_gae_is_verls_times_the_bessel_factor(verl):
     g = torch.Generator().manual_seed(1)
     mask = right_padded_mask(4, 5, g)
     rewards, values = randn(4, 5, generator=g), randn(4, 5, generator=g)
-    adv, _ = critic.gae(rewards, values, mask, gamma=1.0, lam=0.95)
+    adv, _ = advantages.gae(rewards, values, mask, gamma=1.0, lam=0.95)
     verl_adv, _ = verl.compute_gae_advantage_return(rewards, values, mask, gamma=1.0, lam=0.95)
     n, real = mask.sum().item(), mask.bool()
     assert n < 20
-    assert_close(verl_adv[real], ppo.masked_whiten(adv, mask)[real] * ((n - 1) / n) ** 0.5, rtol=1e-7, atol=1e-7)
+    assert_close(verl_adv[real], advantages.masked_whiten(adv, mask)[real] * ((n - 1) / n) ** 0.5, rtol=1e-7, atol=1e-7)
 
 
 def outcome_rewards(scores, mask):
@@ -191,7 +193,7 @@ def test_grpo_equals_verls(verl, norm_by_std):
     index = np.array([f"prompt-{i // n}" for i in range(16)], dtype=object)
     theirs, _ = verl.compute_grpo_outcome_advantage(outcome_rewards(scores, mask), mask, index,
                                                     norm_adv_by_std_in_grpo=norm_by_std)
-    ours = ppo.grpo_advantages(scores, mask, n, norm_by_std=norm_by_std)
+    ours = advantages.grpo_advantages(scores, mask, n, norm_by_std=norm_by_std)
     assert_close(ours, theirs, **EXACT64)
     assert torch.all(ours[:n] == 0) and ours.abs().max() > 0.1
 
@@ -203,7 +205,7 @@ def test_rloo_equals_verls(verl):
     scores = group_scores(4, n, g)
     index = np.array([f"prompt-{i // n}" for i in range(16)], dtype=object)
     theirs, _ = verl.compute_rloo_outcome_advantage(outcome_rewards(scores, mask), mask, index)
-    assert_close(ppo.rloo_advantages(scores, mask, n), theirs, **EXACT64)
+    assert_close(advantages.rloo_advantages(scores, mask, n), theirs, **EXACT64)
 
 
 # ---- verl: losses
@@ -230,7 +232,7 @@ def test_policy_loss_equals_verls_vanilla(verl, mode):
     ours = ppo.agg_loss(pg, mask, mode, num_tokens=mask.sum().item(), num_seqs=float(len(mask)))
     assert_close(ours, theirs, **agg_tolerance(mode))
     # verl's masked_mean divides by the count + 1e-8
-    assert ppo.masked_mean(clipped, mask).item() == pytest.approx(metrics["actor/pg_clipfrac"], rel=1e-8)
+    assert masked_mean(clipped, mask).item() == pytest.approx(metrics["actor/pg_clipfrac"], rel=1e-8)
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
@@ -371,18 +373,18 @@ def test_reinforce_plus_plus_returns_equal_openrlhfs_cumulative_returns(openrlhf
     g = torch.Generator().manual_seed(11)
     mask = right_padded_mask(6, 9, g, dtype=torch.float32)
     rewards = randn(6, 9, generator=g, dtype=torch.float32)
-    _, ours = ppo.reinforce_plus_plus_advantages(rewards, mask, gamma=0.9)
+    _, ours = advantages.reinforce_plus_plus_advantages(rewards, mask, gamma=0.9)
     theirs = openrlhf.RemoteExperienceMaker.get_cumulative_returns(None, rewards, mask.bool(), 0.9)
     assert_close(ours, theirs, **EXACT32)
 
 
 def test_gae_equals_openrlhfs(openrlhf):
-    """critic.gae equals OpenRLHF's get_advantages_and_returns (advantages and returns) at every token, padding
+    """advantages.gae equals OpenRLHF's get_advantages_and_returns (advantages and returns) at every token, padding
     included, with random rewards and values on padding that both must ignore."""
     g = torch.Generator().manual_seed(12)
     mask = right_padded_mask(6, 9, g)
     rewards, values = randn(6, 9, generator=g), randn(6, 9, generator=g)
-    adv, ret = critic.gae(rewards, values, mask, gamma=0.97, lam=0.9)
+    adv, ret = advantages.gae(rewards, values, mask, gamma=0.97, lam=0.9)
     their_adv, their_ret = openrlhf.RemoteExperienceMaker.get_advantages_and_returns(None, values, rewards, mask,
                                                                                      0.97, 0.9)
     assert_close(adv, their_adv, **EXACT64)
@@ -414,10 +416,10 @@ def test_advantages_equal_openrlhfs_experience_maker(openrlhf, estimator):
 
     rewards = kl.kl_penalty_rewards(scores, kl_tokens, mask, beta)
     if estimator == "reinforce":
-        adv, ret = ppo.reinforce_plus_plus_advantages(rewards, mask, gamma)
+        adv, ret = advantages.reinforce_plus_plus_advantages(rewards, mask, gamma)
     else:
-        adv, ret = critic.gae(rewards, values, mask, gamma, lam)
-        adv = ppo.masked_whiten(adv, mask)
+        adv, ret = advantages.gae(rewards, values, mask, gamma, lam)
+        adv = advantages.masked_whiten(adv, mask)
     real = mask.bool()
     assert_close(ret[real], their_ret[real], **EXACT32)
     assert_close(adv[real], their_adv[real], rtol=1e-5, atol=1e-5)

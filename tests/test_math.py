@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 
-from critic import explained_variance, gae, value_loss
+from critic import explained_variance, value_loss
 from kl import KLController, kl_estimate, kl_penalty_rewards
 from batches import chunked_logprobs_entropy, entropy_from_logits, logprobs_from_logits, split_micro
-from advantages import grpo_advantages, masked_whiten, reinforce_plus_plus_advantages, rloo_advantages
+from advantages import gae, grpo_advantages, masked_whiten, reinforce_plus_plus_advantages, rloo_advantages
 from ppo import actor_loss, agg_loss, policy_loss, rollout_is_weights
 from utils import lr_lambda
 
