@@ -52,10 +52,11 @@ from distributed import describe, distribute, fsdp_from_launcher, full_state_dic
 from kl import KLController, kl_estimate, kl_penalty_rewards
 from rewards import check_data_sources, load_reward_function, rule_for, Scorer, score_responses
 from rollout import HFRollout, left_pad, make_rollout
+from runs import resume_or_start, save_checkpoint, start_run, StopSignal
 from utils import (add_lora, autocast_dtype, check_loggers, check_model_path, console_line, exact_div, load_policy,
                    load_reference, load_tokenizer, make_optimizer, MetricsLogger, plot_curves, reduce_metrics,
-                   restore_schedule, resume_or_start, run_script, sample_table, save_checkpoint,
-                   save_pretrained_atomic, start_run, StopSignal, timed, use_gradient_checkpointing, wandb_resume_id)
+                   restore_schedule, run_script, sample_table, save_pretrained_atomic, timed,
+                   use_gradient_checkpointing, wandb_resume_id)
 
 CONSOLE_KEYS = ["score/mean", "reward/mean", "kl/mean", "policy/entropy", "policy/clipfrac", "loss/policy",
                 "loss/value", "value/explained_var", "response/length_mean", "val/score/mean", "val/rule_score/mean",
@@ -375,6 +376,21 @@ def cut_off(responses, lengths, max_length: int, eos_ids) -> torch.Tensor:
     return (lengths == max_length) & ~torch.isin(last_tokens, torch.tensor(sorted(eos_ids)))
 
 
+def mini_batch_counts(response_mask, accelerator) -> tuple[float, float]:
+    """(tokens, sequences) of a mini-batch, averaged over processes: what its loss is normalised by. The mean, not
+    the sum, because DDP and FSDP2 average the processes' gradients (departure 4)."""
+    counts = torch.tensor([float(response_mask.sum()), float(len(response_mask))], device=accelerator.device)
+    return tuple((accelerator.reduce(counts, "sum") / accelerator.num_processes).tolist())
+
+
+def batch_metrics(scores, token_rewards, lengths, truncated) -> dict:
+    """Means over this process's batch: scores (B,), the summed token rewards (B, Tr), response lengths (B,), and
+    the share of responses cut off at max_response_length."""
+    return {"score/mean": scores.mean().item(), "score/max": scores.max().item(), "score/min": scores.min().item(),
+            "reward/mean": token_rewards.sum(1).mean().item(), "response/length_mean": lengths.float().mean().item(),
+            "response/clip_ratio": truncated.float().mean().item()}
+
+
 def guards(t, recent_kl: list, entropy: Optional[float]) -> tuple[Optional[str], Optional[str]]:
     """(why to stop, or None; a warning, or None): the mean kl/mean of the last steps above trainer.max_kl, or
     policy/entropy below trainer.min_entropy (a stop or a warning, as trainer.min_entropy_action says)."""
@@ -441,7 +457,6 @@ def main(cfg: config.Config):
     max_tokens = cfg.actor.max_token_len_per_device if cfg.actor.use_dynamic_bsz else 0  # 0: micro-batches by count
     # departure 3: one epoch of one mini-batch and no KL in the reward: the update's forward gives old_logprobs
     on_policy_shortcut = cfg.actor.ppo_epochs == 1 and sizes.num_mini == 1 and not alg.use_kl_in_reward
-    use_ref = alg.use_kl_in_reward or alg.use_kl_loss
     # step 7 updates: (name, model, optimiser, LR schedule, loss of a micro-batch, micro-batch size, max grad norm)
     actor_update = ("actor", policy, actor_opt, actor_sched, actor_loss, sizes.actor_micro, cfg.actor.max_grad_norm)
     critic_update = ("critic", critic, critic_opt, critic_sched, critic_loss, sizes.critic_micro,
@@ -490,7 +505,7 @@ def main(cfg: config.Config):
         if not on_policy_shortcut:
             with timed(times, "time/old_logprob_s"):
                 batch["old_logprobs"] = no_grad_pass(lambda micro: fwd.logprobs(policy, micro)[0])  # (B, Tr)
-        if use_ref:
+        if alg.use_kl_in_reward or alg.use_kl_loss:
             with timed(times, "time/ref_s"):
                 batch["ref_logprobs"] = no_grad_pass(lambda micro: ref_logprobs(ref, policy, micro, fwd))  # (B, Tr)
         if critic is not None:
@@ -524,13 +539,11 @@ def main(cfg: config.Config):
         set_train_mode([policy, critic], True)
         update_actor = step > cfg.critic.warmup_steps  # critic warm-up: the actor waits for useful values
         updates = ([actor_update] if update_actor else []) + ([critic_update] if critic is not None else [])
-        stats = defaultdict(list)  # metric → one value per micro-batch (grad norms: per optimiser step)
+        stats = defaultdict(list)  # metric → its values: one per micro-batch (grad norms: per optimiser step)
         order = torch.Generator().manual_seed(step_seed(t.seed, step, -1))
         for epoch in range(cfg.actor.ppo_epochs):
             for mini_inds in torch.randperm(B, generator=order).split(sizes.mini):
-                # the mini-batch's tokens and sequences over every process normalise its loss (departure 4)
-                counts = torch.tensor([float(response_mask[mini_inds].sum()), float(len(mini_inds))], device=device)
-                counts = tuple((accelerator.reduce(counts, "sum") / accelerator.num_processes).tolist())
+                counts = mini_batch_counts(response_mask[mini_inds], accelerator)  # normalise its loss (departure 4)
                 for name, model, optimizer, _, loss_fn, micro_size, max_norm in updates:
                     with timed(times, f"time/update_{name}_s"):
                         micro_batches = [micro_batch(batch, i, device)
@@ -538,7 +551,8 @@ def main(cfg: config.Config):
                         grad_norm, losses = train_step(model, optimizer, micro_batches,
                                                        lambda micro: loss_fn(model, micro, cfg, fwd, counts), max_norm)
                     state.skipped += grad_norm is None
-                    stats[f"{name}/grad_norm"] += [grad_norm] if grad_norm is not None else []
+                    if grad_norm is not None:  # a skipped step has none
+                        stats[f"{name}/grad_norm"].append(grad_norm)
                     for key, values in losses.items():
                         stats[key] += values
         metrics["actor/lr"] = actor_sched.get_last_lr()[0]
@@ -551,12 +565,7 @@ def main(cfg: config.Config):
                 rollout.sync_weights(policy)
 
         # ---- 9. log: means (maxima for *_max) over this process's batch and micro-batches, then over processes
-        metrics.update({
-            "score/mean": scores.mean().item(), "score/max": scores.max().item(), "score/min": scores.min().item(),
-            "reward/mean": token_rewards.sum(1).mean().item(), "kl/coef": beta,
-            "response/length_mean": lengths.float().mean().item(),
-            "response/clip_ratio": truncated.float().mean().item()})
-        metrics.update({key: values for key, values in stats.items() if values})
+        metrics.update({**batch_metrics(scores, token_rewards, lengths, truncated), "kl/coef": beta, **stats})
         if critic is not None:
             metrics["value/mean"] = masked_mean(batch["old_values"], response_mask).item()
             metrics["value/explained_var"] = explained_variance(batch["old_values"], batch["returns"], response_mask,

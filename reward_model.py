@@ -44,9 +44,10 @@ import config
 import data
 from distributed import distribute, fsdp_from_launcher, train_step
 from rollout import right_pad
+from runs import resume_or_start, save_checkpoint, start_run, StopSignal
 from utils import (add_lora, autocast, autocast_dtype, check_loggers, check_model_path, console_line, exact_div,
-                   load_tokenizer, make_optimizer, MetricsLogger, restore_schedule, resume_or_start, run_script,
-                   save_checkpoint, save_pretrained_atomic, start_run, StopSignal, wandb_resume_id)
+                   load_tokenizer, make_optimizer, MetricsLogger, restore_schedule, run_script, save_pretrained_atomic,
+                   wandb_resume_id)
 
 # ---------------------------------------------------------------------------------------
 # Math and the model

@@ -181,9 +181,9 @@ def test_two_processes_print_the_sentence_once(workdir, tmp_path):
 HOLD_LOCK = """
 import sys, time, types
 sys.path.insert(0, {repo!r})
-import utils
+import runs
 one_process = types.SimpleNamespace(is_main_process=True, num_processes=1)
-lock = utils.lock_output_dir(one_process, {out!r}, "trainer.output_dir")
+lock = runs.lock_output_dir(one_process, {out!r}, "trainer.output_dir")
 print("locked", flush=True)
 time.sleep(600)
 """
@@ -193,7 +193,7 @@ def test_a_second_run_fails_naming_the_holder_and_a_killed_holder_leaves_no_lock
     """While another process holds output_dir, ppo.py stops at once naming its pid and host; once that holder
     is killed with SIGKILL (no clean-up at all) the folder is free again and the new run records itself."""
     import ppo
-    from utils import lock_output_dir
+    from runs import lock_output_dir
     out = tmp_path / "out"
     holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK.format(repo=REPO, out=str(out))], stdout=subprocess.PIPE,
                               text=True)
@@ -331,7 +331,7 @@ def test_a_fresh_start_moves_the_checkpoints_of_an_earlier_run_aside(workdir, tm
 def test_metrics_past_the_checkpoint_and_a_cut_off_line_are_dropped(tmp_path):
     """drop_metrics_after keeps the lines up to the step, moves later ones aside when asked, and skips a line
     that a kill cut short (it would otherwise stop the resume with a JSON error)."""
-    from utils import drop_metrics_after
+    from runs import drop_metrics_after
     path, aside = tmp_path / "metrics.jsonl", tmp_path / "aside.jsonl"
     path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n{"step": 4, "a')
     drop_metrics_after(str(path), 2, str(aside))
