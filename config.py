@@ -1,22 +1,11 @@
-"""Typed configuration: `configs.yaml` mapped onto nested dataclasses, with dotted overrides.
+"""Every config key: its type, its default (written here once) and, in the string under it, its meaning.
 
-    cfg = load_config("configs.yaml", ["trainer.total_steps=20", "actor.optim.lr=1e-6"])
-
-The string under each field is its documentation; `python ppo.py --help` prints them all.
-Values are type-checked, and an unknown key fails with the nearest valid key named.
+ppo.py reads `Config`, reward_model.py `RewardModelStage`; they share the LoRA and run fields. configs.yaml is
+generated from these dataclasses (`python config.py > configs.yaml`, every key with its documentation as a
+comment); cli.py reads a YAML file and dotted overrides into them and checks every value (types, RANGES).
 """
-import ast
-import dataclasses
-import difflib
-import math
-import sys
-import textwrap
-import types
-import typing
 from dataclasses import dataclass, field
 from typing import Literal, Optional
-
-import yaml
 
 
 @dataclass
@@ -359,121 +348,6 @@ class ConfigError(ValueError):
     pass
 
 
-def all_keys(cls, prefix="") -> list[str]:
-    keys = []
-    for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(f.type):
-            keys += all_keys(f.type, prefix + f.name + ".")
-        else:
-            keys.append(prefix + f.name)
-    return keys
-
-
-def _unknown(key: str, root) -> ConfigError:
-    near = difflib.get_close_matches(key, all_keys(root), n=1, cutoff=0.5)
-    hint = f"; did you mean `{near[0]}`?" if near else "; see `--help` for the valid keys"
-    return ConfigError(f"unknown config key `{key}`{hint}")
-
-
-def _coerce(value, tp, key: str):
-    """Check `value` against the annotation `tp`, converting where YAML or the CLI is loose."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None or (isinstance(value, str) and value.lower() in ("null", "none")):
-            return None
-        return _coerce(value, [a for a in args if a is not type(None)][0], key)
-    if origin is Literal:
-        if value not in args:
-            raise ConfigError(f"config key `{key}` must be one of {list(args)}, got {value!r}")
-        return value
-    if origin is list:
-        if isinstance(value, str):  # from the CLI: a,b,c  or  [a, b, c]
-            value = yaml.safe_load(value) if value.startswith("[") else value.split(",")
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"config key `{key}` must be a list, got {value!r}")
-        return [_coerce(v, args[0], key) for v in value]
-    if tp is bool:
-        if isinstance(value, str) and value.lower() in ("true", "false"):
-            return value.lower() == "true"
-        if not isinstance(value, bool):
-            raise ConfigError(f"config key `{key}` must be true or false, got {value!r}")
-        return value
-    if tp in (int, float):
-        try:
-            number = tp(value) if not isinstance(value, bool) else None
-        except (TypeError, ValueError):
-            number = None
-        if number is None or (tp is int and isinstance(value, float) and value != int(value)):
-            raise ConfigError(f"config key `{key}` must be {'an integer' if tp is int else 'a number'}, got {value!r}")
-        return number
-    if tp is str:
-        return str(value)
-    raise ConfigError(f"config key `{key}` has an unsupported type {tp}")
-
-
-def _build(cls, values: dict, prefix: str, root):
-    if not isinstance(values, dict):
-        raise ConfigError(f"config section `{prefix.rstrip('.') or '(top)'}` must be a mapping, got {values!r}")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for name, value in values.items():
-        if name not in names:
-            raise _unknown(prefix + name, root)
-        tp = hints[name]
-        if dataclasses.is_dataclass(tp):
-            kwargs[name] = _build(tp, {} if value is None else value, prefix + name + ".", root)
-        else:
-            kwargs[name] = _coerce(value, tp, prefix + name)
-    return cls(**kwargs)
-
-
-def _set_dotted(tree: dict, key: str, value: str, root):
-    cls, node, parts = root, tree, key.split(".")
-    for part in parts[:-1]:
-        tp = typing.get_type_hints(cls).get(part)
-        if tp is None or not dataclasses.is_dataclass(tp):
-            raise _unknown(key, root)
-        if node.get(part) is None:
-            node[part] = {}
-        elif not isinstance(node[part], dict):
-            raise ConfigError(f"config section `{key.rsplit('.', 1)[0]}` must be a mapping, got {node[part]!r}")
-        cls, node = tp, node[part]
-    if parts[-1] not in {f.name for f in dataclasses.fields(cls)}:
-        raise _unknown(key, root)
-    node[parts[-1]] = value
-
-
-def load_config(path: Optional[str] = None, overrides: tuple = (), root=Config):
-    """configs.yaml (if given) → dotted CLI overrides (`a.b=value`) → a checked `root` dataclass."""
-    tree = {}
-    if path is not None:
-        try:
-            with open(path) as f:
-                tree = yaml.safe_load(f)
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} does not exist") from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"config file {path} cannot be read: {getattr(e, 'strerror', None) or e}") from None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path} is not valid YAML: {' '.join(str(e).split())}") from None
-        if tree is None:
-            tree = {}
-        elif not isinstance(tree, dict):
-            raise ConfigError(f"config file {path} must hold a mapping of sections (model:, data:, …), "
-                              f"got {tree!r:.80}")
-    other = {f.name for r in (Config, RewardModelStage) if r is not root for f in dataclasses.fields(r)}
-    tree = {k: v for k, v in tree.items() if k not in other}  # configs.yaml holds both entry points' sections
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override `{item}` must look like key=value, e.g. trainer.total_steps=20")
-        key, value = item.split("=", 1)
-        _set_dotted(tree, key.strip(), value.strip(), root)
-    cfg = _build(root, tree, "", root)
-    check_ranges(cfg)
-    return cfg
-
-
 # The range of every number, by field name (a name means the same thing in every section). Any number not
 # listed must be ≥ 0. Every number must be finite; a list (betas) is checked element by element.
 RANGES = {
@@ -492,112 +366,6 @@ RANGES = {
 RANGE_OF = {name: interval for interval, names in RANGES.items() for name in names.split()}
 
 
-def in_interval(x: float, interval: str) -> bool:
-    """Is x in an interval written "[a, b)" / "(a, b]" …?"""
-    low, high = (float(v) for v in interval[1:-1].split(","))
-    return (low <= x if interval[0] == "[" else low < x) and (x <= high if interval[-1] == "]" else x < high)
-
-
-def check_ranges(cfg, prefix: str = "") -> None:
-    """Every number of the config (nested sections included) inside its RANGES interval, or a ConfigError."""
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        if dataclasses.is_dataclass(value):
-            check_ranges(value, prefix + f.name + ".")
-            continue
-        interval = RANGE_OF.get(f.name, "[0, inf)")
-        for x in value if isinstance(value, list) else [value]:
-            if isinstance(x, (int, float)) and not isinstance(x, bool) and not (
-                    math.isfinite(x) and in_interval(x, interval)):
-                raise ConfigError(f"config key `{prefix + f.name}` must be in {interval}, got {x}")
-
-
-def _docs_by_class() -> dict[str, dict[str, str]]:
-    """{class name: {field: the string literal under it}} for every dataclass in this file."""
-    docs = {}
-    for node in ast.parse(open(__file__).read()).body:
-        if isinstance(node, ast.ClassDef):
-            docs[node.name] = {stmt.target.id: nxt.value.value for stmt, nxt in zip(node.body, node.body[1:])
-                               if isinstance(stmt, ast.AnnAssign) and isinstance(nxt, ast.Expr)
-                               and isinstance(nxt.value, ast.Constant)}
-    return docs
-
-
-def field_docs(cls, prefix: str = "", docs=None) -> dict[str, str]:
-    """Every key of `cls` → its documentation; a field redeclared without one (a new default) keeps its base's."""
-    docs, out = docs or _docs_by_class(), {}
-    for f in dataclasses.fields(cls):
-        tp = typing.get_type_hints(cls)[f.name]
-        if dataclasses.is_dataclass(tp):
-            out.update(field_docs(tp, prefix + f.name + ".", docs))
-        else:
-            out[prefix + f.name] = next(docs[c.__name__][f.name] for c in cls.__mro__
-                                        if f.name in docs.get(c.__name__, {}))
-    return out
-
-
-def to_yaml(roots: tuple = ()) -> str:
-    """configs.yaml: every key of ppo.py and reward_model.py with its default and, above it, its documentation.
-    Generated by `python config.py > configs.yaml`: the dataclasses above are the one source of every default."""
-    lines = ["# Every key of ppo.py and reward_model.py, with its default. Generated from config.py (edit the defaults",
-             "# there, then: python config.py > configs.yaml). An experiment writes only what it changes, in its own",
-             "# YAML file or on the command line:",
-             "#   accelerate launch ppo.py --config configs.yaml trainer.total_steps=20"]
-    for root in roots or (Config, RewardModelStage):
-        docs = field_docs(root)
-
-        def walk(obj, prefix, indent):
-            for f in dataclasses.fields(obj):
-                value = getattr(obj, f.name)
-                if dataclasses.is_dataclass(value):
-                    lines.extend([""] * (indent == "") + [f"{indent}{f.name}:"])
-                    walk(value, f"{prefix}{f.name}.", indent + "  ")
-                    continue
-                doc = " ".join(docs[prefix + f.name].split())
-                lines.extend(f"{indent}# {part}" for part in textwrap.wrap(doc, 116 - len(indent)))
-                text = yaml.safe_dump(value, default_flow_style=True, width=10**9).removesuffix("\n...\n").strip()
-                lines.append(f"{indent}{f.name}: {text}")
-        walk(root(), "", "")
-    return "\n".join(lines) + "\n"
-
-
-def parse_args(argv: list[str], doc: str, root=Config):
-    """`--config FILE key=value ...` → Config. `--help` prints `doc` and every key with its default."""
-    if "-h" in argv or "--help" in argv:
-        print(doc.strip() + "\n\nConfig keys (default) — description:")
-        defaults = root()
-        for key, text in field_docs(root).items():
-            value = defaults
-            for part in key.split("."):
-                value = getattr(value, part)
-            print(f"  {key} ({value!r}) — {text}")
-        sys.exit(0)
-    path, overrides, i = None, [], 0
-    while i < len(argv):
-        if argv[i] == "--config":
-            if i + 1 >= len(argv):
-                raise ConfigError("--config needs a file, e.g. --config configs.yaml")
-            path, i = argv[i + 1], i + 2
-        elif argv[i].startswith("--config="):
-            path, i = argv[i].split("=", 1)[1], i + 1
-        else:
-            overrides.append(argv[i].removeprefix("--"))
-            i += 1
-    return load_config(path, overrides, root)
-
-
-def to_dict(cfg) -> dict:
-    return dataclasses.asdict(cfg)
-
-
-def flatten(tree: dict, prefix: str = "") -> dict:
-    """{"a": {"b": 1}} → {"a.b": 1}"""
-    out = {}
-    for key, value in tree.items():
-        out.update(flatten(value, f"{prefix}{key}.") if isinstance(value, dict) else {prefix + key: value})
-    return out
-
-
 # Keys a resumed run must share with the run that wrote the checkpoint: they shape the saved weights (model,
 # LoRA) or what a step is (batch sizes, samples per prompt, the advantage estimator and its critic).
 FIXED_ON_RESUME = {"model.path", "model.tokenizer_path", "model.lora_rank", "model.lora_alpha", "model.target_modules",
@@ -607,25 +375,7 @@ FIXED_ON_RESUME = {"model.path", "model.tokenizer_path", "model.lora_rank", "mod
                    "reward_model.target_modules", "reward_model.lora_top_layers", "reward_model.batch_size"}
 
 
-def resume_changes(cfg, saved_path: str) -> list[str]:
-    """How `cfg` differs from the config.yaml saved by the run being resumed: "key old → new" for each key that
-    may change, a ConfigError for one in FIXED_ON_RESUME. A key the saved file lacks (an older version) is skipped."""
-    with open(saved_path) as f:
-        saved = flatten(yaml.safe_load(f) or {})
-    now = flatten(to_dict(cfg))
-    changed = [k for k, v in now.items() if k in saved and saved[k] != v]
-    for key in changed:
-        if key in FIXED_ON_RESUME:
-            raise ConfigError(f"`{key}` cannot change on resume (it was {saved[key]!r} in {saved_path}, now "
-                              f"{now[key]!r}): set it back, or start a new run in another output_dir")
-    return [f"{k} {saved[k]!r} → {now[k]!r}" for k in changed]
-
-
-def save(cfg, path: str) -> None:
-    """The resolved config, overrides applied: `--config` this file to rerun the same experiment."""
-    with open(path, "w") as f:
-        yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
-
-
 if __name__ == "__main__":  # python config.py > configs.yaml
+    from cli import to_yaml
+
     print(to_yaml(), end="")

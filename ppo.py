@@ -41,6 +41,7 @@ from accelerate.utils import set_seed
 from accelerate.utils import extract_model_from_parallel as unwrap_model
 from tqdm import tqdm
 
+import cli
 import config
 import data
 from batches import (batch_layout, forward_logprobs, forward_values, micro_batch, per_token_pass, split_micro,
@@ -55,7 +56,7 @@ from rollout import HFRollout, left_pad, make_rollout
 from runs import resume_or_start, save_checkpoint, start_run, StopSignal
 from utils import (add_lora, autocast_dtype, check_loggers, check_model_path, console_line, exact_div, load_policy,
                    load_reference, load_tokenizer, make_optimizer, MetricsLogger, plot_curves, reduce_metrics,
-                   restore_schedule, run_script, sample_table, save_pretrained_atomic, timed,
+                   restore_schedule, sample_table, save_pretrained_atomic, timed,
                    use_gradient_checkpointing, wandb_resume_id)
 
 CONSOLE_KEYS = ["score/mean", "reward/mean", "kl/mean", "policy/entropy", "policy/clipfrac", "loss/policy",
@@ -361,7 +362,7 @@ def resume(accelerator, cfg, checkpoint, checkpointed: dict, state: TrainState):
     """The run's MetricsLogger; from a checkpoint (start_run's, or None), the models and optimisers of
     `checkpointed` ({name: (model, optimiser)}) and `state` restored."""
     t = cfg.trainer
-    logger = MetricsLogger(t.output_dir, t.logger, config.to_dict(cfg), t.project_name, t.experiment_name,
+    logger = MetricsLogger(t.output_dir, t.logger, cli.to_dict(cfg), t.project_name, t.experiment_name,
                            accelerator.is_main_process, resume_id=wandb_resume_id(checkpoint))
     saved_state = resume_or_start(accelerator, checkpoint, t.output_dir, logger, cfg, checkpointed)
     if checkpoint:
@@ -617,4 +618,4 @@ def main(cfg: config.Config):
 
 
 if __name__ == "__main__":
-    run_script(main, __doc__, config.Config, "ppo.py")
+    cli.run_script(main, __doc__, config.Config, "ppo.py")

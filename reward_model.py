@@ -40,13 +40,14 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm import tqdm
 
+import cli
 import config
 import data
 from distributed import distribute, fsdp_from_launcher, train_step
 from rollout import right_pad
 from runs import resume_or_start, save_checkpoint, start_run, StopSignal
 from utils import (add_lora, autocast, autocast_dtype, check_loggers, check_model_path, console_line, exact_div,
-                   load_tokenizer, make_optimizer, MetricsLogger, restore_schedule, run_script, save_pretrained_atomic,
+                   load_tokenizer, make_optimizer, MetricsLogger, restore_schedule, save_pretrained_atomic,
                    wandb_resume_id)
 
 # ---------------------------------------------------------------------------------------
@@ -259,7 +260,7 @@ def main(cfg: config.RewardModelStage):
     model = distribute(load_reward_model(rm.model_path, pad_id, lora=rm), accelerator, None, trainable=True)  # DDP
     optimizer, scheduler = make_optimizer(model, rm.optim, rm.total_steps)
     model.train()
-    logger = MetricsLogger(rm.output_dir, rm.logger, config.to_dict(cfg), rm.project_name, rm.experiment_name,
+    logger = MetricsLogger(rm.output_dir, rm.logger, cli.to_dict(cfg), rm.project_name, rm.experiment_name,
                            accelerator.is_main_process, resume_id=wandb_resume_id(resume_from))
     saved_state = resume_or_start(accelerator, resume_from, rm.output_dir, logger, cfg, {"model": (model, optimizer)})
     start, skipped = 0, 0  # optimiser steps taken (batch_indices turns them into pairs) and skipped: checkpointed
@@ -391,4 +392,4 @@ class RewardModelScorer:
 
 
 if __name__ == "__main__":
-    run_script(main, __doc__, config.RewardModelStage, "reward_model.py")
+    cli.run_script(main, __doc__, config.RewardModelStage, "reward_model.py")

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-import config
+import cli
 from config import ConfigError
 from distributed import load_training_state, save_training_state
 
@@ -107,7 +107,7 @@ def start_run(accelerator, cfg, stage: str):
     if path is None:
         return lock, None, False
     saved = os.path.join(os.path.dirname(os.path.normpath(path)), "config.yaml")
-    changes = config.resume_changes(cfg, saved) if os.path.exists(saved) else []
+    changes = cli.resume_changes(cfg, saved) if os.path.exists(saved) else []
     if changes:
         accelerator.print(f"changed since {path}: " + ", ".join(changes))
     step = checkpoint_step(path)
@@ -188,7 +188,7 @@ def resume_or_start(accelerator, path, output_dir: str, logger, cfg, models: dic
             os.remove(logger.path)  # a fresh run starts a fresh log
     if accelerator.is_main_process:
         os.makedirs(output_dir, exist_ok=True)
-        config.save(cfg, os.path.join(output_dir, "config.yaml"))
+        cli.save(cfg, os.path.join(output_dir, "config.yaml"))
     return state
 
 

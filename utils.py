@@ -6,30 +6,12 @@ import math
 import os
 import re
 import shutil
-import sys
 import time
 from contextlib import contextmanager
 
 import torch
 
-import config
 from config import ConfigError
-
-
-def run_script(main, doc: str, root, name: str) -> None:
-    """`accelerate launch <name> --config FILE key=value …` → main(config). A user's mistake (ConfigError,
-    DataError) ends the run in one sentence, printed once, by rank 0; Ctrl-C while loading ends it quietly (130)."""
-    from data import DataError
-
-    rank0 = os.environ.get("RANK", "0") == "0"
-    try:
-        main(config.parse_args(sys.argv[1:], doc, root))
-    except (ConfigError, DataError) as e:
-        sys.exit(f"{name}: {e}" if rank0 else 1)
-    except KeyboardInterrupt:  # Ctrl-C while loading, or a second signal while training
-        if rank0:
-            print(f"{name}: interrupted; the last checkpoint is kept", file=sys.stderr)
-        sys.exit(130)
 
 
 def exact_div(a: int, b: int, what: str) -> int:

@@ -75,11 +75,11 @@ def child(spec: dict) -> None:
     sys.path.insert(0, REPO)
     import gc
 
-    import config
+    import cli
     import ppo
     import rollout
 
-    cfg = config.load_config(os.path.join(REPO, "configs.yaml"), spec["overrides"])
+    cfg = cli.load_config(os.path.join(REPO, "configs.yaml"), spec["overrides"])
     if spec["vary_lengths"]:
         for cls in (rollout.HFRollout, rollout.VLLMRollout):
             cls.generate = cut_to_random_lengths(cls.generate, MIN_VARIED_LENGTH, cfg.trainer.seed)

@@ -40,7 +40,7 @@ def run_one(model_dir: str, backend: str, n_prompts: int, n: int, new_tokens: in
     torch.set_num_threads(2)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from config import load_config
+    from cli import load_config
     from rollout import make_rollout
 
     cfg = load_config(None, [f"model.path={model_dir}", f"rollout.name={backend}", f"rollout.dtype={dtype}",

@@ -1,10 +1,11 @@
-"""config.py: its dataclasses are the one source of defaults (configs.yaml is generated from them); overrides are
-typed and checked; each entry point has its own keys."""
+"""config.py and cli.py: the dataclasses are the one source of defaults (configs.yaml is generated from them);
+overrides are typed and checked; each entry point has its own keys."""
 import subprocess
 import sys
 
 import pytest
 
+import cli
 import config
 from conftest import REPO
 
@@ -13,16 +14,16 @@ def test_configs_yaml_is_generated_from_the_dataclasses():
     """configs.yaml is what `python config.py` writes from the dataclasses (their defaults and docs): edit a default
     in config.py, regenerate, and this passes again; edit configs.yaml by hand and it fails."""
     with open(f"{REPO}/configs.yaml") as f:
-        assert f.read() == config.to_yaml(), "configs.yaml is stale: run `python config.py > configs.yaml`"
+        assert f.read() == cli.to_yaml(), "configs.yaml is stale: run `python config.py > configs.yaml`"
     for root in (config.Config, config.RewardModelStage):
-        assert config.to_dict(config.load_config(f"{REPO}/configs.yaml", root=root)) == config.to_dict(root())
+        assert cli.to_dict(cli.load_config(f"{REPO}/configs.yaml", root=root)) == cli.to_dict(root())
 
 
 def test_every_field_has_a_docstring():
     """Each key of both entry points has a one-line description: the docstring under the field (or its base's)."""
     for root in (config.Config, config.RewardModelStage):
-        docs = config.field_docs(root)
-        assert set(docs) == set(config.all_keys(root))
+        docs = cli.field_docs(root)
+        assert set(docs) == set(cli.all_keys(root))
         assert all(text.strip() for text in docs.values())
 
 
@@ -30,18 +31,18 @@ def test_each_entry_point_has_its_own_keys():
     """ppo.py knows no reward_model.* key and reward_model.py no PPO key; LoRA and run fields are shared, with the
     reward model's own defaults."""
     with pytest.raises(config.ConfigError, match="unknown config key `reward_model.lora_rank`"):
-        config.load_config(f"{REPO}/configs.yaml", ["reward_model.lora_rank=4"])
+        cli.load_config(f"{REPO}/configs.yaml", ["reward_model.lora_rank=4"])
     with pytest.raises(config.ConfigError, match="unknown config key `trainer.total_steps`"):
-        config.load_config(f"{REPO}/configs.yaml", ["trainer.total_steps=4"], root=config.RewardModelStage)
-    rm = config.load_config(None, ["reward_model.lora_rank=4"], root=config.RewardModelStage).reward_model
+        cli.load_config(f"{REPO}/configs.yaml", ["trainer.total_steps=4"], root=config.RewardModelStage)
+    rm = cli.load_config(None, ["reward_model.lora_rank=4"], root=config.RewardModelStage).reward_model
     assert (rm.lora_rank, rm.lora_alpha, rm.output_dir) == (4, 32, "outputs/reward_model")
-    assert config.field_docs(config.RewardModelStage)["reward_model.lora_alpha"] == \
-        config.field_docs(config.Config)["model.lora_alpha"]
+    assert cli.field_docs(config.RewardModelStage)["reward_model.lora_alpha"] == \
+        cli.field_docs(config.Config)["model.lora_alpha"]
 
 
 def test_dotted_overrides_are_parsed_and_typed():
     """Numbers, booleans, lists, nested keys and null all come through with their declared types."""
-    cfg = config.load_config(f"{REPO}/configs.yaml", [
+    cfg = cli.load_config(f"{REPO}/configs.yaml", [
         "trainer.total_steps=20", "actor.optim.lr=1e-6", "algorithm.kl_ctrl.type=adaptive",
         "model.target_modules=q_proj,v_proj", "data.shuffle=false", "reward.clip=null", "actor.optim.betas=[0.8, 0.9]"])
     assert cfg.trainer.total_steps == 20 and cfg.actor.optim.lr == 1e-6
@@ -60,20 +61,20 @@ def test_dotted_overrides_are_parsed_and_typed():
 def test_bad_overrides_name_the_key(override, message):
     """A wrong key or value fails with one sentence that names it (and the nearest valid key)."""
     with pytest.raises(config.ConfigError) as e:
-        config.load_config(f"{REPO}/configs.yaml", [override])
+        cli.load_config(f"{REPO}/configs.yaml", [override])
     assert message in str(e.value)
 
 
 def test_missing_config_file():
     with pytest.raises(config.ConfigError, match="config file nope.yaml does not exist"):
-        config.load_config("nope.yaml")
+        cli.load_config("nope.yaml")
 
 
 def test_help_lists_every_key():
     """`python ppo.py --help` prints each key with its default and description, and exits 0."""
     out = subprocess.run([sys.executable, "ppo.py", "--help"], cwd=REPO, capture_output=True, text=True, check=True)
     assert f"trainer.total_steps ({config.Config().trainer.total_steps}) — training steps" in out.stdout
-    assert all(key in out.stdout for key in config.all_keys(config.Config))
+    assert all(key in out.stdout for key in cli.all_keys(config.Config))
 
 
 # ---- value ranges, malformed files, and what may change on resume (issue 12)
@@ -99,18 +100,18 @@ def test_numbers_out_of_range_name_the_key_and_the_range(override, message):
     the interval and the value."""
     root = config.RewardModelStage if override.startswith("reward_model.") else config.Config
     with pytest.raises(config.ConfigError) as e:
-        config.load_config(f"{REPO}/configs.yaml", [override], root=root)
+        cli.load_config(f"{REPO}/configs.yaml", [override], root=root)
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
 def test_every_range_names_a_numeric_field_and_the_defaults_pass():
     """RANGES names only numeric fields (a typo would silently check nothing), and the defaults are in range."""
-    defaults = {**config.to_dict(config.Config()), **config.to_dict(config.RewardModelStage())}
-    numeric = {key.rsplit(".", 1)[-1] for key, value in config.flatten(defaults).items()
+    defaults = {**cli.to_dict(config.Config()), **cli.to_dict(config.RewardModelStage())}
+    numeric = {key.rsplit(".", 1)[-1] for key, value in cli.flatten(defaults).items()
                if isinstance(value, (int, float, list)) and not isinstance(value, bool)} | {"clip"}
     assert set(config.RANGE_OF) <= numeric, set(config.RANGE_OF) - numeric
-    config.check_ranges(config.Config())
-    assert config.load_config(None, ["reward.overlong_penalty=-1", "rollout.top_k=-1", "reward.clip=null"])
+    cli.check_ranges(config.Config())
+    assert cli.load_config(None, ["reward.overlong_penalty=-1", "rollout.top_k=-1", "reward.clip=null"])
 
 
 @pytest.mark.parametrize("text, message", [
@@ -126,7 +127,7 @@ def test_a_yaml_file_that_is_not_a_mapping_of_sections(tmp_path, text, message):
     path = tmp_path / "c.yaml"
     path.write_text(text)
     with pytest.raises(config.ConfigError) as e:
-        config.load_config(str(path))
+        cli.load_config(str(path))
     assert message in str(e.value)
 
 
@@ -134,22 +135,22 @@ def test_an_override_into_a_scalar_section_and_a_folder_as_config(tmp_path):
     """`model.path=x` on top of `model: 3` fails rather than replacing the scalar; a folder as --config says so."""
     (tmp_path / "c.yaml").write_text("model: 3\n")
     with pytest.raises(config.ConfigError, match="config section `model` must be a mapping, got 3"):
-        config.load_config(str(tmp_path / "c.yaml"), ["model.path=x"])
+        cli.load_config(str(tmp_path / "c.yaml"), ["model.path=x"])
     with pytest.raises(config.ConfigError, match="cannot be read: Is a directory"):
-        config.load_config(str(tmp_path))
+        cli.load_config(str(tmp_path))
 
 
 def test_resume_changes_list_free_keys_and_refuse_fixed_ones(tmp_path):
     """Against the saved config.yaml: lr and total_steps may change and are listed "key old → new"; a LoRA rank
     may not (one sentence), for PPO's keys and the reward model's alike."""
     saved = tmp_path / "config.yaml"
-    config.save(config.load_config(None, ["actor.optim.lr=1e-3"]), str(saved))
-    now = config.load_config(None, ["actor.optim.lr=5e-4", "trainer.total_steps=90"])
-    assert config.resume_changes(now, str(saved)) == ["actor.optim.lr 0.001 → 0.0005", "trainer.total_steps 60 → 90"]
+    cli.save(cli.load_config(None, ["actor.optim.lr=1e-3"]), str(saved))
+    now = cli.load_config(None, ["actor.optim.lr=5e-4", "trainer.total_steps=90"])
+    assert cli.resume_changes(now, str(saved)) == ["actor.optim.lr 0.001 → 0.0005", "trainer.total_steps 60 → 90"]
     with pytest.raises(config.ConfigError, match="`model.lora_rank` cannot change on resume"):
-        config.resume_changes(config.load_config(None, ["model.lora_rank=8"]), str(saved))
+        cli.resume_changes(cli.load_config(None, ["model.lora_rank=8"]), str(saved))
     rm_saved = tmp_path / "rm.yaml"
-    config.save(config.load_config(None, root=config.RewardModelStage), str(rm_saved))
+    cli.save(cli.load_config(None, root=config.RewardModelStage), str(rm_saved))
     with pytest.raises(config.ConfigError, match=r"`reward_model.lora_rank` cannot change on resume \(it was 16"):
-        config.resume_changes(config.load_config(None, ["reward_model.lora_rank=4"], root=config.RewardModelStage),
-                              str(rm_saved))
+        cli.resume_changes(cli.load_config(None, ["reward_model.lora_rank=4"], root=config.RewardModelStage),
+                           str(rm_saved))

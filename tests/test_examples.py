@@ -14,7 +14,7 @@ import yaml
 
 from conftest import REPO, make_tiny_model, read_metrics
 
-import config
+import cli
 
 RECIPES = ["gsm8k_qwen05b_ppo.sh", "gsm8k_qwen05b_grpo_lora.sh"]
 GSM8K_LIKE = [  # (question, answer) in GSM8K's distributed jsonl form: reasoning, then "#### <n>"
@@ -83,7 +83,7 @@ def test_recipe_runs_one_step_with_its_own_overrides(tiny, tmp_path, script):
     for override in recipe:
         key = override.split("=", 1)[0]
         if key not in replaced:
-            wanted = setting(config.load_config(None, [override]), key)
+            wanted = setting(cli.load_config(None, [override]), key)
             assert setting(resolved, key) == wanted, (override, setting(resolved, key))
 
     lines = read_metrics(out)

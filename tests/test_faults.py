@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+import cli
 import config
 import data
 from conftest import REPO, make_tokenizer, read_metrics
@@ -54,7 +55,7 @@ def pairs_file(path, **row):
 
 
 def ppo_config(root, out, *overrides):
-    return config.load_config(f"{REPO}/configs.yaml", base_args(root, out) + list(overrides))
+    return cli.load_config(f"{REPO}/configs.yaml", base_args(root, out) + list(overrides))
 
 
 def rm_args(root, out):
@@ -64,13 +65,13 @@ def rm_args(root, out):
 
 
 def rm_config(root, out, *overrides):
-    return config.load_config(f"{REPO}/configs.yaml", rm_args(root, out) + list(overrides), root=config.RewardModelStage)
+    return cli.load_config(f"{REPO}/configs.yaml", rm_args(root, out) + list(overrides), root=config.RewardModelStage)
 
 
 def checkpoint_of(root, out, *overrides):
     """A stand-in step_2 checkpoint in `out`, with the config.yaml of a run made with `overrides`."""
     write(out / "step_2" / "state.json", "{}")
-    config.save(ppo_config(root, out, *overrides), str(out / "config.yaml"))
+    cli.save(ppo_config(root, out, *overrides), str(out / "config.yaml"))
     return out
 
 
