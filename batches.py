@@ -12,6 +12,8 @@ and the fp32 log-softmax / entropy over a long vocabulary, `LOGITS_CHUNK` positi
 Shapes: B sequences, Tq prompt length, Tr response length, V vocab, N packed tokens.
 """
 import functools
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -290,6 +292,23 @@ def forward_values(critic, mb, dtype, layout: str = "padded"):
     if keep is None:
         return values[:, -Tr - 1:-1]
     return unpacked(values[0, keep], mask)
+
+
+@dataclass(frozen=True)
+class Forward:
+    """How one run's training forwards read a micro-batch: fixed for the run, bound once (ppo.main)."""
+    temperature: float  # the sampler's: log-probabilities of softmax(logits / T)
+    dtype: Optional[torch.dtype]  # autocast dtype (None: fp32)
+    layout: str  # "padded", "shared" or "packed" (batches.batch_layout)
+
+    def logprobs(self, model, mb, with_entropy: bool = False):
+        """log π(y_t | prefix) of the response tokens, and their entropies when with_entropy: (B, Tr) each."""
+        return forward_logprobs(model, mb, self.temperature, self.dtype, with_entropy=with_entropy,
+                                layout=self.layout)
+
+    def values(self, critic, mb):
+        """V(s_t) before each response token: (B, Tr)."""
+        return forward_values(critic, mb, self.dtype, layout=self.layout)
 
 
 @torch.no_grad()

@@ -44,10 +44,9 @@ from tqdm import tqdm
 import cli
 import config
 import data
-from batches import (batch_layout, forward_logprobs, forward_values, micro_batch, per_token_pass, split_micro,
-                     use_varlen_attention)
 from advantages import (gae, grpo_advantages, masked_mean, masked_whiten, reinforce_plus_plus_advantages,
                         rloo_advantages)
+from batches import batch_layout, Forward, micro_batch, per_token_pass, split_micro, use_varlen_attention
 from critic import explained_variance, load_critic, value_loss
 from distributed import describe, distribute, fsdp_from_launcher, full_state_dict, train_step
 from kl import KLController, kl_estimate, kl_penalty_rewards
@@ -117,49 +116,33 @@ def agg_loss(loss_mat, mask, mode: str, num_tokens: float, num_seqs: float):
 # Losses: one micro-batch each, returning (loss, metrics)
 
 
-@dataclass(frozen=True)
-class Forward:
-    """How this run's training forwards read a micro-batch: fixed for the run, bound once in main."""
-    temperature: float  # the sampler's: log-probabilities of softmax(logits / T)
-    dtype: Optional[torch.dtype]  # autocast dtype (None: fp32)
-    layout: str  # "padded", "shared" or "packed" (batches.batch_layout)
-
-    def logprobs(self, model, mb, with_entropy: bool = False):
-        """log π(y_t | prefix) of the response tokens, and their entropies when with_entropy: (B, Tr) each."""
-        return forward_logprobs(model, mb, self.temperature, self.dtype, with_entropy=with_entropy, layout=self.layout)
-
-    def values(self, critic, mb):
-        """V(s_t) before each response token: (B, Tr)."""
-        return forward_values(critic, mb, self.dtype, layout=self.layout)
-
-
-def actor_loss(policy, mb, cfg, fwd: Forward, counts: tuple):
+def actor_loss(policy, micro, cfg, fwd: Forward, counts: tuple):
     """Clipped policy loss (× truncated rollout importance weight) − entropy bonus + KL loss: this micro-batch's
     share of the mini-batch's loss (`counts`: its tokens and sequences, departure 4), and its metrics."""
-    alg, actor, mask = cfg.algorithm, cfg.actor, mb["response_mask"].float()
-    logprobs, entropy = fwd.logprobs(policy, mb, with_entropy=True)  # (B, Tr) each
-    old_logprobs = mb["old_logprobs"] if "old_logprobs" in mb else logprobs.detach()  # departure 3
-    pg, clipped = policy_loss(logprobs, old_logprobs, mb["advantages"], actor.clip_ratio_low, actor.clip_ratio_high,
+    alg, actor, mask = cfg.algorithm, cfg.actor, micro["response_mask"].float()
+    logprobs, entropy = fwd.logprobs(policy, micro, with_entropy=True)  # (B, Tr) each
+    old_logprobs = micro["old_logprobs"] if "old_logprobs" in micro else logprobs.detach()  # departure 3
+    pg, clipped = policy_loss(logprobs, old_logprobs, micro["advantages"], actor.clip_ratio_low, actor.clip_ratio_high,
                               actor.clip_ratio_c)
     metrics = {}
-    if "rollout_logprobs" in mb:  # departure 2: how far the sampler was from the training model
+    if "rollout_logprobs" in micro:  # departure 2: how far the sampler was from the training model
         level = "sequence" if alg.rollout_is == "sequence" else "token"  # off: token weights, logged only
-        is_weight = rollout_is_weights(old_logprobs, mb["rollout_logprobs"], mask, level, alg.rollout_is_threshold)
+        is_weight = rollout_is_weights(old_logprobs, micro["rollout_logprobs"], mask, level, alg.rollout_is_threshold)
         if alg.rollout_is != "off":
             pg = pg * is_weight
-        log_ratio = old_logprobs - mb["rollout_logprobs"]  # (B, Tr)
+        log_ratio = old_logprobs - micro["rollout_logprobs"]  # (B, Tr)
         metrics.update({"rollout/is_weight_mean": masked_mean(is_weight, mask).item(),
                         "rollout/logprob_diff_mean": masked_mean(log_ratio.abs(), mask).item(),
                         "rollout/logprob_diff_max": (log_ratio.abs() * mask).max().item(),
                         "rollout/ratio_mean": masked_mean(log_ratio.exp(), mask).item()})
     loss = pg - actor.entropy_coef * entropy  # (B, Tr)
-    if "ref_logprobs" in mb:
+    if "ref_logprobs" in micro:
         if alg.use_kl_loss:
-            loss = loss + alg.kl_loss_coef * kl_estimate(logprobs, mb["ref_logprobs"], alg.kl_loss_type)
+            loss = loss + alg.kl_loss_coef * kl_estimate(logprobs, micro["ref_logprobs"], alg.kl_loss_type)
         # kl/mean: the rollout policy's distance from the reference, as penalised, else k1: unbiased like k3,
         # without k3's heavy tail (r − 1 − log r for a token the policy has nearly dropped)
         kind = alg.kl_penalty if alg.use_kl_in_reward else "k1"
-        metrics["kl/mean"] = masked_mean(kl_estimate(old_logprobs, mb["ref_logprobs"], kind), mask).item()
+        metrics["kl/mean"] = masked_mean(kl_estimate(old_logprobs, micro["ref_logprobs"], kind), mask).item()
     metrics.update({"loss/policy": masked_mean(pg.detach(), mask).item(),
                     "policy/clipfrac": masked_mean(clipped, mask).item(),
                     "policy/approx_kl": masked_mean(kl_estimate(old_logprobs, logprobs.detach(), "k3"), mask).item(),
@@ -167,11 +150,11 @@ def actor_loss(policy, mb, cfg, fwd: Forward, counts: tuple):
     return agg_loss(loss, mask, actor.loss_agg_mode, *counts), metrics
 
 
-def critic_loss(critic, mb, cfg, fwd: Forward, counts: tuple):
+def critic_loss(critic, micro, cfg, fwd: Forward, counts: tuple):
     """vf_coef · clipped value loss, this micro-batch's share of the mini-batch's token-mean, and its metrics."""
-    mask = mb["response_mask"].float()
-    values = fwd.values(critic, mb)  # (B, Tr)
-    vf, clipfrac = value_loss(values, mb["old_values"], mb["returns"], mask, cfg.critic.cliprange_value)
+    mask = micro["response_mask"].float()
+    values = fwd.values(critic, micro)  # (B, Tr)
+    vf, clipfrac = value_loss(values, micro["old_values"], micro["returns"], mask, cfg.critic.cliprange_value)
     metrics = {"loss/value": masked_mean(vf.detach(), mask).item(), "value/clipfrac": clipfrac.item()}
     return cfg.critic.vf_coef * agg_loss(vf, mask, "token-mean", *counts), metrics
 

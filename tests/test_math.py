@@ -379,7 +379,7 @@ def run_actor_loss(policy, mb, **overrides):
     """actor_loss with the config's defaults plus `overrides` (dotted keys), no reference, the micro-batch as its
     whole mini-batch; (loss, metrics). Without mb["old_logprobs"] the loss takes them from its own forward."""
     import cli
-    from ppo import Forward
+    from batches import Forward
     cfg = cli.load_config(None, [f"{k}={v}" for k, v in overrides.items()])
     mask = mb["response_mask"]
     return actor_loss(policy, mb, cfg, Forward(1.0, None, "padded"), (float(mask.sum()), float(len(mask))))
