@@ -38,15 +38,16 @@ def run_one(model_dir: str, backend: str, n_prompts: int, n: int, new_tokens: in
     """Start one backend, warm it up, time `repeats` rollouts; return the figures."""
     import torch
     torch.set_num_threads(2)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from cli import load_config
     from rollout import make_rollout
+    from utils import load_tokenizer
 
     cfg = load_config(None, [f"model.path={model_dir}", f"rollout.name={backend}", f"rollout.dtype={dtype}",
                              f"rollout.max_response_length={new_tokens}", "rollout.ignore_eos=true",
                              "data.max_prompt_length=64", "rollout.micro_batch_size=64"])
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(model_dir)  # pad = eos where the tokenizer has none, as ppo.py loads it
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     prompts = [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": f"What is {i} + {i % 7}?"}],
                                                        add_generation_prompt=True, tokenize=False),
