@@ -72,7 +72,8 @@ def policy_loss(logprobs, old_logprobs, advantages, clip_low: float, clip_high: 
         ratio = exp(log π − log π_old)
         pg_loss1 = −Â·ratio ;  pg_loss2 = −Â·clip(ratio, 1 − ε_low, 1 + ε_high) ;  pg = max(pg_loss1, pg_loss2)
         where Â < 0:  pg = min(pg, −Â·c)      (bounds the loss of a huge ratio on a bad action)
-    Returns pg (B, Tr) and a (B, Tr) float mask of where clipping bit.
+    Returns pg (B, Tr) and a (B, Tr) float mask of where clipping bit. The log-ratio is not clamped (verl clamps it
+    to ±20): a ratio that overflows makes the gradient non-finite, and train_step skips the whole step.
     """
     ratio = torch.exp(logprobs - old_logprobs)
     pg_loss1 = -advantages * ratio
