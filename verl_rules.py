@@ -1,14 +1,11 @@
 """verl 0.9.1's rule rewards (verl/utils/reward_score), ported so that a response scores here exactly as in verl.
 
-tests/test_verl_rewards.py installs verl and checks every route case by case. Each rule keeps verl's quirks, one
-line each below (Q:). The only departures, by design: model text is never run through `eval` (verl's prime-math
-grader evals a prediction containing \\pi, or a "[…]" against a pmatrix, with its module's globals, and parses
-"Matrix(…)" with sympy's eval-based parse_expr); here only number/tuple/list arithmetic is evaluated, and a
-"Matrix(…)" only when it holds plain numbers. A model writing `abs(-2)*\\pi` or `Matrix([[x]])` scores
-differently, by design.
-
-Sources: gsm8k.py; math_reward.py (Hendrycks' MATH normalisation, MIT); math_dapo.py (Minerva); prime_math/
-(PRM800K, ToRA; Apache-2.0 and MIT). verl is Apache-2.0.
+tests/test_verl_rewards.py compares every route with verl's, case by case. verl's quirks are kept, each noted below
+(Q:). One departure, by design: model text is never `eval`'d. verl's prime-math grader evals a \\pi answer, or a
+"[…]" against a pmatrix, and parses "Matrix(…)" with sympy's eval; here only arithmetic on numbers, tuples and lists
+is evaluated, and "Matrix(…)" only of plain numbers, so `abs(-2)*\\pi` or `Matrix([[x]])` scores differently.
+Sources: gsm8k.py; math_reward.py (Hendrycks' MATH, MIT); math_dapo.py (Minerva); prime_math/ (PRM800K, ToRA;
+Apache-2.0 and MIT). verl is Apache-2.0.
 """
 import ast
 import contextlib
@@ -19,9 +16,8 @@ import re
 import signal
 import threading
 
+
 # ---- openai/gsm8k (gsm8k.py, method="strict")
-
-
 def gsm8k(solution_str: str, ground_truth: str) -> float:
     """1.0 when the last "#### <n>" equals ground_truth as a string, else 0.0.
     Q: only the last 300 characters are searched.   Q: exactly one space after "####" ("####7" finds nothing).
@@ -30,34 +26,32 @@ def gsm8k(solution_str: str, ground_truth: str) -> float:
     return float(bool(found) and found[-1].replace(",", "") == ground_truth)
 
 
+# ---- boxes, as the MATH, DAPO and PRIME rules find them
+def last_box(string: str) -> int:
+    """Where the last "\\boxed" starts, else the last "\\fbox"; -1 when there is neither."""
+    idx = string.rfind("\\boxed")
+    return idx if idx >= 0 else string.rfind("\\fbox")
+
+
+def closing_brace(string: str, start: int):
+    """Index of the "}" that brings the brace depth, counted from `start`, back to 0; None when none does."""
+    depth = 0
+    for i in range(start, len(string)):
+        depth += {"{": 1, "}": -1}.get(string[i], 0)
+        if string[i] == "}" and depth == 0:
+            return i
+    return None
+
+
 # ---- lighteval/MATH, DigitalLearningGmbH/MATH-lighteval, HuggingFaceH4/MATH-500 (math_reward.py)
-
-
 def math_last_boxed(string: str):
     """"\\boxed{…}" (or "\\fbox{…}") with balanced braces, from the last one; None when there is none.
     Q: any "\\boxed " (with a space) wins over later \\boxed{…}: its text up to the next "$" is the answer."""
     if "\\boxed " in string:
         return "\\boxed " + string.split("\\boxed ")[-1].split("$")[0]
-    idx = string.rfind("\\boxed")
-    if idx < 0:
-        idx = string.rfind("\\fbox")
-        if idx < 0:
-            return None
-    depth = 0
-    for i in range(idx, len(string)):
-        depth += {"{": 1, "}": -1}.get(string[i], 0)
-        if string[i] == "}" and depth == 0:
-            return string[idx:i + 1]
-    return None
-
-
-def math_remove_boxed(s: str) -> str:
-    """The inside of "\\boxed{…}" or the rest after "\\boxed "; AssertionError otherwise (Q: so \\fbox scores 0)."""
-    if "\\boxed " in s:
-        assert s.startswith("\\boxed ")
-        return s[len("\\boxed "):]
-    assert s.startswith("\\boxed{") and s.endswith("}")
-    return s[len("\\boxed{"):-1]
+    idx = last_box(string)
+    end = closing_brace(string, idx) if idx >= 0 else None
+    return None if end is None else string[idx:end + 1]
 
 
 def fix_fracs(string: str) -> str:
@@ -65,28 +59,22 @@ def fix_fracs(string: str) -> str:
     substrs = string.split("\\frac")
     new_str = substrs[0]
     for substr in substrs[1:]:
-        new_str += "\\frac"
-        if substr[0] == "{":  # Q: IndexError on a trailing "\\frac": is_equiv then compares the raw strings
-            new_str += substr
-            continue
-        if len(substr) < 2:
+        if substr[0] == "{":  # Q: IndexError on a trailing "\\frac": the raw strings are compared then
+            new_str += "\\frac" + substr
+        elif len(substr) < 2:
             return string
-        a, b, post = substr[0], substr[1], substr[2:]
-        new_str += "{" + a + "}{" + b + "}" + post if b != "{" else "{" + a + "}" + b + post
+        elif substr[1] == "{":
+            new_str += "\\frac{" + substr[0] + "}" + substr[1:]
+        else:
+            new_str += "\\frac{" + substr[0] + "}{" + substr[1] + "}" + substr[2:]
     return new_str
 
 
 def fix_a_slash_b(string: str) -> str:
-    """"a/b" of two plain integers → \\frac{a}{b}."""
-    parts = string.split("/")
-    if len(parts) != 2:
-        return string
-    try:
-        a, b = int(parts[0]), int(parts[1])
-        assert string == f"{a}/{b}"
-        return "\\frac{" + str(a) + "}{" + str(b) + "}"
-    except Exception:
-        return string
+    """"a/b" of two integers written plainly (no "+", spaces or leading zeros) → \\frac{a}{b}."""
+    if re.fullmatch(r"(0|-?[1-9][0-9]*)/(0|-?[1-9][0-9]*)", string):
+        return "\\frac{" + string.replace("/", "}{") + "}"
+    return string
 
 
 def fix_sqrt(string: str) -> str:
@@ -99,20 +87,16 @@ def fix_sqrt(string: str) -> str:
 
 def strip_string(string: str) -> str:
     """Hendrycks' MATH normalisation: no newlines, \\!, \\left/\\right, degrees, \\$, units after "\\text{ ", \\%,
-    spaces; dfrac/tfrac → frac; ".5" → "0.5"; "k = 5" → "5" (left side ≤ 2 characters); \\sqrt3, \\frac12, a/b
-    fixed; "0.5" → \\frac{1}{2}.
-    Q: no other decimal equals its fraction.   Q: a second "\\text{ " is an AssertionError (raw strings compared)."""
+    spaces; dfrac/tfrac → frac; ".5" → "0.5"; "k = 5" → "5" (left side ≤ 2 characters); \\sqrt3, \\frac12, a/b fixed.
+    Q: only "0.5" becomes \\frac{1}{2}.   Q: a second "\\text{ " is an AssertionError (raw strings compared)."""
     for old, new in (("\n", ""), ("\\!", ""), ("\\\\", "\\"), ("tfrac", "frac"), ("dfrac", "frac"), ("\\left", ""),
                      ("\\right", ""), ("^{\\circ}", ""), ("^\\circ", ""), ("\\$", "")):
         string = string.replace(old, new)
     if "\\text{ " in string:
-        splits = string.split("\\text{ ")
-        assert len(splits) == 2
-        string = splits[0]
+        assert string.count("\\text{ ") == 1
+        string = string.split("\\text{ ")[0]
     string = string.replace("\\\\%", "").replace("\\%", "").replace(" .", " 0.").replace("{.", "{0.")
-    if len(string) == 0:
-        return string
-    if string[0] == ".":
+    if string.startswith("."):
         string = "0" + string
     if len(string.split("=")) == 2 and len(string.split("=")[0]) <= 2:
         string = string.split("=")[1]
@@ -122,21 +106,20 @@ def strip_string(string: str) -> str:
     return fix_a_slash_b(string)
 
 
-def math_is_equiv(str1: str, str2: str) -> bool:
-    """strip_string(str1) == strip_string(str2); the raw strings compared when normalising raises."""
-    try:
-        return strip_string(str1) == strip_string(str2)
-    except Exception:
-        return str1 == str2
-
-
 def hendrycks_math(solution_str: str, ground_truth: str) -> float:
-    """1.0 when the last boxed answer is equivalent to ground_truth (Q: ground_truth itself is not unboxed)."""
+    """1.0 when the last boxed answer equals ground_truth after strip_string (raw strings compared when that raises).
+    Q: ground_truth itself is not unboxed.   Q: a last \\fbox{…} scores 0 (verl's remove_boxed asserts "\\boxed")."""
     try:
         boxed = math_last_boxed(solution_str)
-        return float(boxed is not None and math_is_equiv(math_remove_boxed(boxed), ground_truth))
     except Exception:  # verl prints the error and scores 0
         return 0.0
+    if boxed is None or not boxed.startswith(("\\boxed ", "\\boxed{")):
+        return 0.0
+    answer = boxed[len("\\boxed "):] if boxed.startswith("\\boxed ") else boxed[len("\\boxed{"):-1]
+    try:
+        return float(strip_string(answer) == strip_string(ground_truth))
+    except Exception:
+        return float(answer == ground_truth)
 
 
 # ---- math_dapo, math, math_dapo_reasoning, aime* (math_dapo.py)
@@ -172,14 +155,8 @@ def dapo_normalize(final_answer: str) -> str:
 def dapo_last_boxed(string: str):
     """The inside of the last "\\boxed{…}" (braces balanced), or None."""
     idx = string.rfind("\\boxed{")
-    if idx < 0:
-        return None
-    depth = 0
-    for i in range(idx, len(string)):
-        depth += {"{": 1, "}": -1}.get(string[i], 0)
-        if string[i] == "}" and depth == 0:
-            return string[idx + len("\\boxed{"):i]
-    return None
+    end = closing_brace(string, idx) if idx >= 0 else None
+    return None if end is None else string[idx + len("\\boxed{"):end]
 
 
 def dapo(solution_str: str, ground_truth: str) -> dict:
@@ -199,37 +176,91 @@ def dapo(solution_str: str, ground_truth: str) -> dict:
 
 # ---- numina_* (prime_math/: PRM800K's grade_answer, then ToRA's math_equal)
 
-SYMPY_BAD_SUBSTRINGS = ["^{", "^("]
-SYMPY_BAD_REGEXES = [r"\^[0-9]+\^", r"\^[0-9][0-9]+"]
 PRM_UNITS = ["degree", "cm", "centimeter", "meter", "mile", "second", "minute", "hour", "day", "week", "month",
              "year", "foot", "feet", "inch", "yard", "liter"]
 
 
-@contextlib.contextmanager
-def time_limit(seconds: float):
-    """TimeoutError inside the block after `seconds` (SIGALRM, main thread only; elsewhere no limit).
-    verl runs this comparison in a child process with a 10 s limit; a timeout there also scores 0."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def raise_timeout(signum, frame):
-        raise TimeoutError(f"sympy took more than {seconds} s")
-    old = signal.signal(signal.SIGALRM, raise_timeout)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+def prime_math(solution_str: str, ground_truth: str) -> float:
+    """1.0 when the matched answer passes grade_answer, or math_equal (with pi and 3.14 when \\pi appears)."""
+    solution_str, ground_truth = str(solution_str), str(ground_truth)
+    answer = match_answer(solution_str)
+    if grade_answer(answer, ground_truth):
+        return 1.0
     try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
+        if "\\pi" in answer or "\\pi" in ground_truth:
+            return float(any([math_equal(answer, ground_truth, pi=pi) for pi in [math.pi, 3.14]]))
+        return float(math_equal(answer, ground_truth))
+    except Exception:
+        return 0.0
+
+
+def match_answer(response: str) -> str:
+    """The answer in a response: after the last "answer:"/"answer is", before "is the answer", the last box, then
+    after the last "is ", "=", ": " … (each marker in turn, on what the ones before left)."""
+    def after(markers, keep_before=False):
+        nonlocal response
+        for marker in markers:
+            idx = response.lower().rfind(marker)
+            if idx != -1:
+                response = (response[:idx] if keep_before else response[idx + len(marker):]).strip()
+    after(["answer:", "answer is", "answers are"])
+    after(["is answer", "is the answer", "are answers", "are the answers"], keep_before=True)
+    boxed = prime_boxed(response)
+    if boxed:
+        response = boxed
+    if ". " in response:
+        response = response[:response.lower().rfind(". ")].strip()
+    after(["be ", "is ", "are ", "=", ": ", "get ", "be\n", "is\n", "are\n", ":\n", "get\n"])
+    return response
+
+
+def prime_boxed(string: str):
+    """The stripped inside of the first {…} after the last \\boxed (or \\fbox); None without one."""
+    idx = last_box(string)
+    end = closing_brace(string, idx) if idx >= 0 else None
+    return None if end is None else string[string.find("{", idx) + 1:end].strip()
+
+
+def grade_answer(given_answer: str, ground_truth: str) -> bool:
+    """PRM800K: equal after Hendrycks' normalisation, or after prm_normalize, or element by element under sympy.
+    Q: unreduced fractions must match as written; an integer answer must match an integer exactly."""
+    if normalize_answer(ground_truth) == normalize_answer(given_answer):
+        return True
+    truth, given = prm_normalize(ground_truth), prm_normalize(given_answer)
+    if truth == given:
+        return True
+    if len(given) == 0:
+        return False
+    truth_elems, given_elems = split_tuple(truth), split_tuple(given)
+    if (len(truth_elems) > 1 and (truth[0] != given[0] or truth[-1] != given[-1])
+            or len(truth_elems) != len(given_elems)):
+        return False
+    for t, g in zip(truth_elems, given_elems):
+        if is_frac(t) and is_frac(g):
+            correct = t == g
+        else:
+            correct = str_is_int(t) == str_is_int(g) and equal_under_sympy(t, g)
+        if not correct:
+            return False
+    return True
+
+
+def normalize_answer(answer: str) -> str:
+    """PRM800K's copy of Hendrycks' normalisation: stripped, \\text{…} unwrapped, then strip_string."""
+    answer = answer.strip()
+    m = re.search(r"^\\text\{(?P<text>.+?)\}$", answer)
+    answer = answer if m is None else m.group("text").strip()
+    try:
+        return strip_string(answer)
+    except Exception:
+        return answer
 
 
 def prm_normalize(expr: str) -> str:
     """PRM800K's normalisation before sympy: \\text{…}, $, %, units and "million" etc. handled, LaTeX → text via
     pylatexenc, lower case, "7 3/4" → "7+3/4", integral floats → ints.   Q: units are cut inside words too."""
     m = re.search(r"^\\text\{(?P<text>.+?)\}$", expr)
-    if m is not None:
-        expr = m.group("text")
+    expr = expr if m is None else m.group("text")
     for old, new in (("\\%", "%"), ("\\$", "$"), ("$", ""), ("%", ""), (" or ", " , "), (" and ", " , "),
                      ("million", "*10^6"), ("billion", "*10^9"), ("trillion", "*10^12")):
         expr = expr.replace(old, new)
@@ -239,7 +270,7 @@ def prm_normalize(expr: str) -> str:
     if len(expr) > 0 and expr[0] == "{" and expr[-1] == "}":
         expr = expr[1:-1]
     expr = re.sub(",\\\\! *", "", expr)
-    if is_float(expr) and is_int(float(expr)):
+    if "," not in expr and str_is_int(expr):
         expr = str(int(round(float(expr))))
     if "\\" in expr:
         with contextlib.suppress(Exception):
@@ -262,34 +293,12 @@ def latex_to_text(expr: str) -> str:
     return expr.strip()
 
 
-def is_float(num: str) -> bool:
-    try:
-        float(num)
-        return True
-    except ValueError:
-        return False
-
-
-def is_int(x: float) -> bool:
-    try:
-        return abs(x - int(round(x))) <= 1e-7
-    except Exception:
-        return False
-
-
-def strip_thousands_commas(expr: str) -> str:
-    """"1,234,567" → "1234567", leaving tuple commas ("1,2") alone."""
-    while True:
-        next_expr = re.sub(r"(\d)(,)(\d\d\d)($|\D)", r"\1\3\4", expr)
-        if next_expr == expr:
-            return next_expr
-        expr = next_expr
-
-
 def str_is_int(x: str) -> bool:
+    """x (thousands commas removed) is a finite number within 1e-7 of an integer."""
     try:
-        return is_int(float(strip_thousands_commas(x)))
-    except Exception:
+        x = float(strip_thousands_commas(x))
+        return abs(x - int(round(x))) <= 1e-7
+    except Exception:  # not a number, inf, nan
         return False
 
 
@@ -297,24 +306,12 @@ def is_frac(expr: str) -> bool:
     return bool(re.search(r"^-?[0-9]+.?/0*[1-9][0-9]*.?$", expr))
 
 
-def equal_under_sympy(ground_truth: str, given: str) -> bool:
-    """sympy.simplify((ground_truth) − (given)) == 0, unless the text has > 2 distinct letters or large powers."""
-    import sympy
-    from sympy.parsing import sympy_parser
-    expr = f"({ground_truth})-({given})"
-    letters = {c for c in expr.replace("sqrt", "").replace("frac", "") if c.isalpha()}
-    if len(letters) > 2 or any(s in expr for s in SYMPY_BAD_SUBSTRINGS) or any(
-            re.search(r, expr) for r in SYMPY_BAD_REGEXES):
-        return False
-    try:
-        with time_limit(10):
-            parsed = sympy_parser.parse_expr(expr.replace("^", "**"), transformations=(
-                sympy_parser.standard_transformations + (sympy_parser.implicit_multiplication_application,)))
-            return sympy.simplify(parsed) == 0
-    except TimeoutError:
-        raise
-    except Exception:
-        return False
+def strip_thousands_commas(expr: str) -> str:
+    """"1,234,567" → "1234567", leaving tuple commas ("1,2") alone."""
+    previous = None
+    while expr != previous:
+        previous, expr = expr, re.sub(r"(\d)(,)(\d\d\d)($|\D)", r"\1\3\4", expr)
+    return expr
 
 
 def split_tuple(expr: str) -> list:
@@ -327,88 +324,39 @@ def split_tuple(expr: str) -> list:
     return [expr]
 
 
-def grade_answer(given_answer: str, ground_truth: str) -> bool:
-    """PRM800K: equal after Hendrycks' normalisation, or after prm_normalize, or element by element under sympy.
-    Q: unreduced fractions must match as written; an integer answer must match an integer exactly."""
-    if given_answer is None:
+def equal_under_sympy(ground_truth: str, given: str) -> bool:
+    """sympy.simplify((ground_truth) − (given)) == 0, unless the text has > 2 distinct letters or large powers."""
+    import sympy
+    from sympy.parsing import sympy_parser
+    expr = f"({ground_truth})-({given})"
+    letters = {c for c in expr.replace("sqrt", "").replace("frac", "") if c.isalpha()}
+    if len(letters) > 2 or "^{" in expr or "^(" in expr or re.search(r"\^[0-9]+\^|\^[0-9][0-9]+", expr):
         return False
-    if normalize_answer(ground_truth) == normalize_answer(given_answer):
-        return True
-    truth, given = prm_normalize(ground_truth), prm_normalize(given_answer)
-    if truth == given:
-        return True
-    if len(given) == 0:
-        return False
-    truth_elems, given_elems = split_tuple(truth), split_tuple(given)
-    if (len(truth_elems) > 1 and (truth[0] != given[0] or truth[-1] != given[-1])
-            or len(truth_elems) != len(given_elems)):
-        return False
-    for t, g in zip(truth_elems, given_elems):
-        if is_frac(t) and is_frac(g):
-            correct = t == g
-        elif str_is_int(t) != str_is_int(g):
-            correct = False
-        else:
-            try:
-                correct = equal_under_sympy(t, g)
-            except Exception:  # a timeout, as verl's
-                correct = False
-        if not correct:
-            return False
-    return True
-
-
-def normalize_answer(answer: str) -> str:
-    """PRM800K's copy of Hendrycks' normalisation: stripped, \\text{…} unwrapped, then strip_string."""
-    answer = answer.strip()
     try:
-        m = re.search(r"^\\text\{(?P<text>.+?)\}$", answer)
-        if m is not None:
-            answer = m.group("text").strip()
-        return strip_string(answer)
-    except Exception:
-        return answer
+        with time_limit(10):
+            parsed = sympy_parser.parse_expr(expr.replace("^", "**"), transformations=(
+                sympy_parser.standard_transformations + (sympy_parser.implicit_multiplication_application,)))
+            return sympy.simplify(parsed) == 0
+    except Exception:  # a timeout too: verl runs this in a child process with a 10 s limit, and scores 0 then
+        return False
 
 
-def prime_boxed(string: str):
-    """The stripped inside of the first {…} after the last \\boxed (or \\fbox); None without one."""
-    idx = string.rfind("\\boxed")
-    if idx < 0:
-        idx = string.rfind("\\fbox")
-        if idx < 0:
-            return None
-    left, depth = None, 0
-    for i in range(idx, len(string)):
-        if string[i] == "{":
-            depth += 1
-            left = i if left is None else left
-        elif string[i] == "}":
-            depth -= 1
-            if depth == 0:
-                return string[left + 1:i].strip() if left is not None else None
-    return None
+@contextlib.contextmanager
+def time_limit(seconds: float):
+    """TimeoutError inside the block after `seconds` (SIGALRM, main thread only; elsewhere no limit)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
 
-
-def match_answer(response: str) -> str:
-    """The answer in a response: after the last "answer:"/"answer is", before "is the answer", the last box, then
-    after the last "is ", "=", ": " … (Q: a trailing newline cuts two characters, as verl's)."""
-    def after(marker_list, keep_before=False):
-        nonlocal response
-        for marker in marker_list:
-            idx = response.lower().rfind(marker)
-            if idx != -1:
-                response = (response[:idx] if keep_before else response[idx + len(marker):]).strip()
-                if response.endswith("\n"):
-                    response = response[:-2]
-    after(["answer:", "answer is", "answers are"])
-    after(["is answer", "is the answer", "are answers", "are the answers"], keep_before=True)
-    boxed = prime_boxed(response)
-    if boxed:
-        response = boxed
-    if ". " in response:
-        response = response[:response.lower().rfind(". ")].strip()
-    after(["be ", "is ", "are ", "=", ": ", "get ", "be\n", "is\n", "are\n", ":\n", "get\n"])
-    return response
+    def raise_timeout(signum, frame):
+        raise TimeoutError(f"sympy took more than {seconds} s")
+    old = signal.signal(signal.SIGALRM, raise_timeout)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
 
 
 # ---- ToRA's math_equal (prime_math/grader.py)
@@ -437,18 +385,19 @@ def safe_eval(text: str):
     return ev(ast.parse(text.strip(" \t"), mode="eval").body)
 
 
-def is_digit(s):
+def to_float(s):
+    """float(s) without its "{,}" (else its ","); None when it is not a number."""
     try:
-        return True, float(str(s).replace("{,}", "") if "{,}" in str(s) else str(s).replace(",", ""))
+        return float(str(s).replace("{,}", "") if "{,}" in str(s) else str(s).replace(",", ""))
     except ValueError:
-        return False, None
+        return None
 
 
 def tora_normalize(answer, pi: float):
     """"$5" → "5", "5%" → "5", "12_3" → 12 (a base; ValueError when not a number), "2\\pi" → 2·pi evaluated."""
     if isinstance(answer, str) and re.match(r"\$\d+(\.\d+)?", answer):
         return answer[1:]
-    if isinstance(answer, str) and (re.match(r"^\d+(\.\d+)?%$", answer) or re.match(r"^\d+(\.\d+)?\\%$", answer)):
+    if isinstance(answer, str) and re.match(r"^\d+(\.\d+)?\\?%$", answer):
         return answer.replace("\\%", "").replace("%", "")
     if isinstance(answer, str) and "_" in answer:
         return int(float(answer.split("_")[0]))
@@ -463,8 +412,7 @@ def tora_normalize(answer, pi: float):
     return answer
 
 
-def math_equal(prediction, reference, include_percentage: bool = True, tolerance: float = 1e-4,
-               pi: float = math.pi) -> bool:
+def math_equal(prediction, reference, pi: float = math.pi) -> bool:
     """ToRA: equal as text, as numbers (Q: relative tolerance 1e-4, and x/100 or x·100 also match), or part by part
     for intervals, tuples, points and matrices.   Q: verl 0.9.1's symbolic fallback never succeeds (it uses its
     timeout decorator as a context manager: a TypeError it catches), so it is not ported."""
@@ -476,33 +424,25 @@ def math_equal(prediction, reference, include_percentage: bool = True, tolerance
             return True
         if prediction.replace(" ", "") == reference.replace(" ", ""):
             return True
-    try:
-        if is_digit(prediction)[0] and is_digit(reference)[0]:
-            prediction, reference = is_digit(prediction)[1], is_digit(reference)[1]
-            candidates = [reference / 100, reference, reference * 100] if include_percentage else [reference]
-            return any(math.isclose(item, prediction, rel_tol=tolerance) for item in candidates)
-    except Exception:
-        pass
+    pred_number, ref_number = to_float(prediction), to_float(reference)
+    if pred_number is not None and ref_number is not None:
+        return any(math.isclose(x, pred_number, rel_tol=1e-4) for x in [ref_number / 100, ref_number, ref_number * 100])
     if not prediction and prediction not in [0, False]:
         return False
-    reference, prediction = str(reference).strip(), format_intervals(str(prediction).strip())
-    return parts_equal(prediction, reference, include_percentage, tolerance)
+    return parts_equal(format_intervals(str(prediction).strip()), str(reference).strip())
 
 
-def parts_equal(prediction: str, reference: str, include_percentage: bool, tolerance: float) -> bool:
+def parts_equal(prediction: str, reference: str) -> bool:
     """math_equal's structural comparisons: brackets dropped, then interval ends, comma parts, points, matrices."""
     pred_str, ref_str = prediction, reference
     if (prediction.startswith("[") and prediction.endswith("]") and not reference.startswith("(")) or (
             prediction.startswith("(") and prediction.endswith(")") and not reference.startswith("[")):
         pred_str, ref_str = pred_str.strip("[]()"), ref_str.strip("[]()")
-    for s in "{}()":
-        ref_str, pred_str = ref_str.replace(s, ""), pred_str.replace(s, "")
-    if pred_str == ref_str:
+    if re.sub(r"[{}()]", "", pred_str) == re.sub(r"[{}()]", "", ref_str):
         return True
 
     def all_equal(preds, refs):  # a list, not a generator: verl compares every part, so any part may raise
-        return len(preds) == len(refs) and all([math_equal(p, r, include_percentage, tolerance)
-                                                 for p, r in zip(preds, refs)])
+        return len(preds) == len(refs) and all([math_equal(p, r) for p, r in zip(preds, refs)])
     if (prediction and reference and prediction[0] in "([" and prediction[-1] in ")]"
             and prediction[0] == reference[0] and prediction[-1] == reference[-1]):
         if all_equal(prediction[1:-1].split(","), reference[1:-1].split(",")):
@@ -512,25 +452,21 @@ def parts_equal(prediction: str, reference: str, include_percentage: bool, toler
         if len(preds) == len(refs):
             return all_equal(preds, refs)
     if prediction.startswith("Point") and reference[0] == "(" and reference[-1] == ")":
-        preds, refs = prediction[prediction.find("(") + 1:-1].split(","), reference[1:-1].split(",")
-        if len(preds) == len(refs) and all_equal(preds, refs):
-            return True
+        return all_equal(prediction[prediction.find("(") + 1:-1].split(","), reference[1:-1].split(","))
     if r"\begin{pmatrix}" in reference and prediction.startswith("Matrix"):
         try:  # verl: sympy's parse_expr (an eval) on the model's text; here a matrix of plain numbers only
-            if all_equal(matrix_entries(prediction), reference.split()[1:-1:2]):
-                return True
+            return all_equal(matrix_entries(prediction), reference.split()[1:-1:2])
         except Exception:
-            pass
-    elif r"\begin{pmatrix}" in reference and prediction.startswith("[") and prediction.endswith("]"):
+            return False
+    if r"\begin{pmatrix}" in reference and prediction.startswith("[") and prediction.endswith("]"):
         if isinstance(safe_eval(prediction), list):  # verl: eval(prediction), outside its try
+            rows = (reference.removeprefix(r"\\begin{pmatrix}").removeprefix(r"\begin{pmatrix}")
+                    .removesuffix(r"\\end{pmatrix}").removesuffix(r"\end{pmatrix}")).split("\\")
+            rows = [row.split("&") if "&" in row else row for row in rows]
             try:
-                rows = (reference.removeprefix(r"\\begin{pmatrix}").removeprefix(r"\begin{pmatrix}")
-                        .removesuffix(r"\\end{pmatrix}").removesuffix(r"\end{pmatrix}")).split("\\")
-                rows = [row.split("&") if "&" in row else row for row in rows]
-                if all_equal(safe_eval(prediction), rows):
-                    return True
+                return all_equal(safe_eval(prediction), rows)
             except Exception:
-                pass
+                return False
     return False
 
 
@@ -547,23 +483,8 @@ def matrix_entries(text: str) -> list:
 
 def format_intervals(prediction: str) -> str:
     """sympy's Interval(a, b) → [a, b]; .Ropen → [a, b); .Lopen → (a, b]; .open → (a, b)."""
-    for key, (left, right) in {"Interval": "[]", "Interval.Ropen": "[)", "Interval.Lopen": "(]",
-                               "Interval.open": "()"}.items():
-        match = re.match(f"^{re.escape(key)}\\((.*)\\)$", prediction)
-        if match:
-            return f"{left}{match.group(1)}{right}"
-    return prediction
-
-
-def prime_math(solution_str: str, ground_truth: str) -> float:
-    """1.0 when the matched answer passes grade_answer, or math_equal (with pi and 3.14 when \\pi appears)."""
-    solution_str, ground_truth = str(solution_str), str(ground_truth)
-    answer = match_answer(solution_str)
-    if grade_answer(answer, ground_truth):
-        return 1.0
-    try:
-        if "\\pi" in answer or "\\pi" in ground_truth:
-            return float(any([math_equal(answer, ground_truth, pi=pi) for pi in [math.pi, 3.14]]))
-        return float(math_equal(answer, ground_truth))
-    except Exception:
-        return 0.0
+    match = re.match(r"^Interval(|\.Ropen|\.Lopen|\.open)\((.*)\)$", prediction)
+    if match is None:
+        return prediction
+    left, right = {"": "[]", ".Ropen": "[)", ".Lopen": "(]", ".open": "()"}[match.group(1)]
+    return f"{left}{match.group(2)}{right}"
