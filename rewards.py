@@ -1,17 +1,8 @@
 """Rule rewards with verl's signature: compute_score(data_source, solution_str, ground_truth, extra_info=None).
 
-`default_compute_score` routes each row's data_source as verl 0.9.1 does, to verl's own rules, ported in
-verl_rules.py with their quirks: a response scores exactly as in verl (tests/test_verl_rewards.py checks it):
-  openai/gsm8k                                       "#### <n>" in the last 300 characters, compared as text
-  lighteval/MATH, DigitalLearningGmbH/MATH-lighteval,
-  HuggingFaceH4/MATH-500                             the last \\boxed, Hendrycks' MATH normalisation
-  math, math_dapo, math_dapo_reasoning, aime*        DAPO: "Answer: …" (else \\boxed), scores +1 / −1
-  numina_aops_forum, numina_synthetic_math, numina_amc_aime, numina_synthetic_amc, numina_cn_k12,
-  numina_olympiads                                   PRIME's math grader (sympy)
-This library's own rules, more lenient, under their own names:
-  gsm8k        "#### <n>" anywhere (spacing, "$", commas, a trailing "." allowed), compared as exact numbers
-  boxed        the last \\boxed{…}, lightly normalised, compared as a string
-  arithmetic   the demo: the whole response must be "a + b = c" or the bare number c
+`default_compute_score` routes each row's data_source as verl 0.9.1 does (BUILTIN_SCORES; README.md "Rewards" has
+the table): verl's names to verl's own rules, ported with their quirks in verl_rules.py so that a response scores
+exactly as in verl, and this library's own, more lenient rules (gsm8k, boxed, arithmetic) under their own names.
 verl's code, search-tool and image routes are not built in: check_data_sources stops such a run at start-up.
 
 A custom function is `reward.function=path/to/file.py:name` (the file is executed); verl reward files work
@@ -46,28 +37,20 @@ def to_number(text: str):
         return None
 
 
-def extract_gsm8k(solution_str: str, strict: bool = True):
-    """The number after the last "####"; when not strict and there is none, the last number in the text."""
+def gsm8k_score(solution_str: str, ground_truth: str, strict: bool = True,
+                format_score: float = 0.0, score: float = 1.0) -> float:
+    """score when the number after the last "####" (not strict: else the last number in the text) equals
+    ground_truth as an exact number ("#### 72.0" = "72"), format_score when it is wrong, 0.0 when there is none."""
     found = GSM8K_ANSWER.findall(solution_str)
     if not found and not strict:
         found = ANY_NUMBER.findall(solution_str)
-    return found[-1] if found else None
-
-
-def gsm8k_score(solution_str: str, ground_truth: str, strict: bool = True,
-                format_score: float = 0.0, score: float = 1.0) -> float:
-    """score when the extracted answer equals ground_truth as an exact number ("#### 72.0" = "72"), format_score
-    when an answer was found but is wrong, 0.0 when none was found (verl's convention)."""
-    answer = extract_gsm8k(solution_str, strict)
-    if answer is None:
+    if not found:
         return 0.0
-    got, want = to_number(answer), to_number(str(ground_truth))
+    got, want = to_number(found[-1]), to_number(str(ground_truth))
     return score if got is not None and got == want else format_score
 
 
 # ---- boxed: this library's lenient \boxed{} rule (verl's MATH rule is verl_rules.hendrycks_math)
-
-
 def last_boxed(text: str):
     """Content of the last \\boxed{…} (braces balanced) or \\boxed x; None when there is none."""
     start = text.rfind("\\boxed")
@@ -77,14 +60,8 @@ def last_boxed(text: str):
     if rest.startswith(" "):
         words = rest.split("$")[0].split()
         return words[0] if words else None
-    if not rest.startswith("{"):
-        return None
-    depth = 0
-    for i, ch in enumerate(rest):
-        depth += {"{": 1, "}": -1}.get(ch, 0)
-        if depth == 0:
-            return rest[1:i]
-    return None  # unbalanced: the response was cut off inside the box
+    end = verl_rules.closing_brace(rest, 0) if rest.startswith("{") else None
+    return None if end is None else rest[1:end]  # None too when the response was cut off inside the box
 
 
 def normalize_math(answer: str) -> str:
@@ -105,7 +82,6 @@ def boxed_score(solution_str: str, ground_truth: str) -> float:
 
 
 # ---- arithmetic (the demo)
-
 EQUATION_OR_INTEGER = re.compile(r"(?:[0-9+ ]+=\s*)?(-?[0-9]+)\.?")
 
 
@@ -118,7 +94,6 @@ def arithmetic_score(solution_str: str, ground_truth: str) -> float:
 
 
 # ---- dispatch by data_source, as verl's default_compute_score
-
 NUMINA = ["numina_aops_forum", "numina_synthetic_math", "numina_amc_aime", "numina_synthetic_amc", "numina_cn_k12",
           "numina_olympiads"]
 BUILTIN_SCORES = {
@@ -221,13 +196,6 @@ def as_score(result) -> tuple[float, dict]:
     return score, extras
 
 
-def verl_extra_info(row: dict) -> dict:
-    """The row's extra_info plus the keys verl's reward loop adds before calling compute_score
-    (verl/experimental/reward_loop/reward_manager/naive.py): num_turns = 2 (a prompt and one response, as verl's
-    single-turn agent loop) and rollout_reward_scores = {} (no tool or rollout-time scores here)."""
-    return {**(row.get("extra_info") or {}), "num_turns": 2, "rollout_reward_scores": {}}
-
-
 def call_all(compute_score, calls: list[dict]) -> list:
     """compute_score(**kwargs) for each call: its result, or the exception it raised. An `async def` function is
     awaited for the whole batch at once (asyncio.gather), as verl's reward loop runs it."""
@@ -250,17 +218,17 @@ def call_all(compute_score, calls: list[dict]) -> list:
 
 def score_responses(compute_score, rows: list[dict], responses: list[str]) -> tuple[list[float], dict, int]:
     """Score each (row, response) with compute_score(data_source=, solution_str=, ground_truth=, extra_info=),
-    by keyword as verl calls it, so a custom function's argument order does not matter.
-
-    Returns (scores, extras, errors): extras holds each extra numeric dict key's values, for logging
-    as means. A call that raises or returns something unusable (None, a string, a dict without "score", NaN or
-    inf) scores 0.0 and counts as an error, shown as one warning with the first error; when every call fails,
-    RewardError stops the run with the first error, rather than train on zeros.
+    by keyword as verl calls it; returns (scores, extras: each extra numeric dict key's values, errors).
+    A call that raises or returns something unusable (None, a string, a dict without "score", NaN, inf) scores 0.0
+    and counts as an error, warned once; when every call fails, RewardError stops the run rather than train on zeros.
     """
     if len(rows) != len(responses):
         raise ValueError(f"score_responses got {len(rows)} rows but {len(responses)} responses")
+    # extra_info gets what verl's reward loop adds (reward_loop/reward_manager/naive.py): num_turns = 2 (a prompt
+    # and one response, as its single-turn agent loop) and rollout_reward_scores = {} (no rollout-time scores here)
     calls = [dict(data_source=row["data_source"], solution_str=response, ground_truth=row["ground_truth"],
-                  extra_info=verl_extra_info(row)) for row, response in zip(rows, responses)]
+                  extra_info={**(row.get("extra_info") or {}), "num_turns": 2, "rollout_reward_scores": {}})
+             for row, response in zip(rows, responses)]
     scores, extras, errors, first = [], {}, 0, None
     for result in call_all(compute_score, calls):
         try:
