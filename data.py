@@ -9,18 +9,15 @@
   ours        prompt (string or chat messages) [+ ground_truth, data_source, extra_info] → RL parquet
   GSM8K       question, answer ending in "#### <n>" → RL parquet, prompted as verl does
   preference  prompt, chosen, rejected [+ margin] → preference parquet
-  HH-RLHF     chosen, rejected (full "\\n\\nHuman: … \\n\\nAssistant: …" texts) → preference parquet;
-              the shared text up to and including the last "\\n\\nAssistant:" becomes `prompt`
-              (kept as text), the final replies become chosen/rejected, so prompt + chosen is the
-              original text.
+  HH-RLHF     chosen, rejected (full "\\n\\nHuman: … \\n\\nAssistant: …" texts) → preference parquet: the
+              shared text through the last "\\n\\nAssistant:" is `prompt`, so prompt + chosen is the original
 
 RL parquet layouts read by `load_rl_dataset`: ours (above), or verl's unchanged (prompt as chat
 messages, reward_model.ground_truth, data_source, extra_info, ability).
 
 The demo asks "a + b" (one operand from 10 to 19, the other one-digit) in a one-shot chat, and the
-`arithmetic` reward (rewards.py) wants "a + b = c" or the bare sum. SmolLM2-135M-Instruct adds one-digit
-numbers well in this form (0.95 greedy) but gets about half of these sums wrong ("15 + 2 = 27"): room to
-learn one rule, the tens digit.
+`arithmetic` reward (rewards.py) wants "a + b = c" or the bare sum. SmolLM2-135M-Instruct gets about half
+of these sums wrong ("15 + 2 = 27"): room to learn one rule, the tens digit.
 """
 import argparse
 import json
@@ -46,38 +43,34 @@ class DataError(ValueError):
 
 
 # ---- reading
-
-
-def read_parquet(path: str) -> pa.Table:
-    """The table at `path`, or a DataError saying the file is missing, a folder, not parquet or not UTF-8."""
+def read_parquet(path: str, columns: list[str]) -> pa.Table:
+    """The table at `path`, with `columns` and at least one row; else a DataError naming what is wrong."""
     if os.path.isdir(path):
-        raise DataError(f"data file {path} is a directory; name the parquet file inside it, e.g. {path}/train.parquet")
+        raise DataError(f"data file {path} is a directory; name the parquet file inside it, "
+                        f"e.g. {path}/train.parquet")
     if not os.path.isfile(path):
-        raise DataError(f"data file {path} does not exist; write one with `python data.py --task arithmetic "
-                        f"--output data/arithmetic` or convert jsonl with `python data.py --input x.jsonl --output DIR`")
+        raise DataError(f"data file {path} does not exist; write one with `python data.py --task arithmetic --output "
+                        f"data/arithmetic` or convert jsonl with `python data.py --input x.jsonl --output DIR`")
     try:
         table = pq.read_table(path)
         table.validate(full=True)  # bad UTF-8 fails here, by column, not as a decode error while reading rows
-        return table
     except (pa.ArrowInvalid, OSError) as e:
         if "UTF8" in str(e):
             raise DataError(f"data file {path} holds text that is not valid UTF-8 ({e}); re-encode it") from None
         raise DataError(f"data file {path} is not a readable parquet file: {e}") from None
-
-
-def require_columns(table: pa.Table, path: str, names: list[str]) -> None:
-    """Raise a DataError naming the first missing column and listing the columns found."""
-    for name in names:
+    for name in columns:
         if name not in table.column_names:
             raise DataError(f"{path}: missing column `{name}`; found columns {table.column_names}")
     if table.num_rows == 0:
         raise DataError(f"{path}: the file has 0 rows")
+    return table
 
 
 def check_prompt(prompt, where: str) -> None:
     """Raise unless prompt is text or a chat: a non-empty list of {"role": str, "content": str} dicts."""
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt)):
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in prompt)):
         return
     raise DataError(f"{where}`prompt` must be a string or a list of {{role, content}} messages, "
                     f"got {type(prompt).__name__} {str(prompt)[:80]!r}")
@@ -105,12 +98,9 @@ def render_prompt(prompt, tokenizer) -> str:
 
 
 def tokenize_prompts(texts: list[str], tokenizer) -> list[list[int]]:
-    """Token ids of rendered prompts, with exactly the special tokens the template wrote.
-
-    Templated text already holds its BOS (if any), so the tokenizer must add none; raw text gets the
-    tokenizer's usual special tokens. A doubled leading BOS (text that began with the BOS string) is
-    collapsed to one: it is never what the model saw in training.
-    """
+    """Token ids of rendered prompts, with exactly the special tokens the template wrote (raw text gets the
+    tokenizer's usual ones). A doubled leading BOS (text that began with the BOS string) is collapsed to one:
+    it is never what the model saw in training."""
     templated = tokenizer.chat_template is not None
     ids = tokenizer(texts, add_special_tokens=not templated)["input_ids"]
     bos = tokenizer.bos_token_id
@@ -120,16 +110,14 @@ def tokenize_prompts(texts: list[str], tokenizer) -> list[list[int]]:
 def load_rl_dataset(path: str, tokenizer, max_prompt_length: int, truncation: str) -> tuple[list[dict], dict]:
     """Read RL prompts (ours or verl's layout) and tokenize them; returns (rows, stats).
 
-    rows: {"prompt_ids", "prompt_text", "ground_truth", "data_source", "extra_info", "prompt" (as stored:
-    text or chat messages, for a reward model that renders it with its own template)};
-    stats: {"rows": read, "kept": returned, "truncated": left-truncated, "filtered": dropped as too long}.
-    truncation: "error" raises on a prompt longer than max_prompt_length tokens, "left" keeps its last
-    max_prompt_length tokens (prompt_text is then the decoded kept tokens), "filter" drops the row.
+    rows: {"prompt_ids", "prompt_text", "ground_truth", "data_source", "extra_info", "prompt" (as stored, for a
+    reward model that renders it with its own template)}; stats: {"rows", "kept", "truncated", "filtered"}.
+    A prompt over max_prompt_length tokens: truncation="error" raises, "left" keeps its last tokens (prompt_text
+    is then their decoding), "filter" drops the row.
     """
     if truncation not in ("error", "left", "filter"):
         raise DataError(f"data.truncation must be error, left or filter, got {truncation!r}")
-    table = read_parquet(path)
-    require_columns(table, path, ["prompt"])
+    table = read_parquet(path, ["prompt"])
     raw, texts = table.to_pylist(), []
     for i, row in enumerate(raw):
         check_prompt(row["prompt"], f"{path} row {i}: ")
@@ -163,15 +151,12 @@ def load_rl_dataset(path: str, tokenizer, max_prompt_length: int, truncation: st
 def load_preferences(path: str) -> tuple[list[dict], dict]:
     """Read preference pairs for the reward-model stage; returns (rows, stats).
 
-    Columns: prompt (text, or chat messages as in the RL layout), chosen, rejected (strings), optional
-    margin (float), optional kind (a label, e.g. "tens"). chosen/rejected are the *responses only*: the caller
-    prepends the prompt. When prompt is the empty string, chosen and rejected are whole conversations (HH-RLHF
-    style) used as they are. Rows whose chosen == rejected teach nothing and are dropped.
-    rows: {"prompt", "chosen", "rejected", "margin" (0.0 when absent), "kind" (only when given)};
+    Columns: prompt (text or chat messages), chosen, rejected (the *responses only*, strings: the caller prepends
+    the prompt; with an empty prompt they are whole HH-RLHF-style conversations), optional margin (float, 0.0 when
+    absent) and kind (a label, e.g. "tens"). Pairs with chosen == rejected teach nothing and are dropped.
     stats: {"rows": read, "kept": returned, "identical_dropped": dropped}.
     """
-    table = read_parquet(path)
-    require_columns(table, path, ["prompt", "chosen", "rejected"])
+    table = read_parquet(path, ["prompt", "chosen", "rejected"])
     rows, identical = [], 0
     for i, row in enumerate(table.to_pylist()):
         check_prompt(row["prompt"], f"{path} row {i}: ")
@@ -194,8 +179,6 @@ def load_preferences(path: str) -> tuple[list[dict], dict]:
 
 
 # ---- writing
-
-
 def write_parquet(rows: list[dict], path: str) -> None:
     """Write rows to `path` atomically: a temporary name first, then os.replace. A key missing from some
     rows is null there (pa.Table.from_pylist alone would keep only the first row's keys)."""
@@ -221,8 +204,6 @@ def split_rows(rows: list[dict], val_fraction: float, seed: int) -> tuple[list[d
 
 
 # ---- the embedded demo: a number from 10 to 19 plus a one-digit number
-
-
 def arithmetic_question(rng: random.Random) -> tuple[int, int]:
     """Two operands, in either order: one from 10 to 19, one from 0 to 9."""
     a, b = rng.randint(10, 19), rng.randint(0, 9)
@@ -280,8 +261,6 @@ def make_arithmetic_preferences(n: int, seed: int) -> list[dict]:
 
 
 # ---- converting jsonl
-
-
 def split_hh(chosen: str, rejected: str) -> tuple[str, str, str]:
     """(prompt, chosen reply, rejected reply): the shared text up to its last "\\n\\nAssistant:" is the prompt."""
     shared = os.path.commonprefix([chosen, rejected])
@@ -330,10 +309,11 @@ def convert_row(row: dict, kind: str, index: int) -> dict:
         out = {k: row[k] for k in ("prompt", "chosen", "rejected")}
         return {**out, "margin": float(row["margin"])} if row.get("margin") is not None else out
     check_prompt(row["prompt"], "")
-    if not isinstance(row.get("extra_info") or {}, dict):
+    extra_info = row.get("extra_info") or {}
+    if not isinstance(extra_info, dict):
         raise ValueError("`extra_info` must be an object")
     return {"prompt": row["prompt"], "ground_truth": ground_truth_of(row),
-            "data_source": row.get("data_source") or "unknown", "extra_info": {"index": index, **(row.get("extra_info") or {})}}
+            "data_source": row.get("data_source") or "unknown", "extra_info": {"index": index, **extra_info}}
 
 
 def convert_jsonl(path: str) -> list[dict]:
