@@ -20,6 +20,8 @@ import yaml
 
 import config
 from config import Config, ConfigError, FIXED_ON_RESUME, RANGE_OF, RewardModelStage
+from rewards import load_reward_function
+from utils import check_model_path
 
 
 def all_keys(cls, prefix="") -> list[str]:
@@ -261,6 +263,25 @@ def save(cfg, path: str) -> None:
     """The resolved config, overrides applied: `--config` this file to rerun the same experiment."""
     with open(path, "w") as f:
         yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+
+
+def check_inputs(cfg) -> None:
+    """ppo.py: the models and the reward function the run will load, checked before anything loads."""
+    check_model_path(cfg.model.path, "model.path")
+    check_model_path(cfg.model.tokenizer_path or cfg.model.path,
+                     "model.tokenizer_path" if cfg.model.tokenizer_path else "model.path", need="tokenizer")
+    if cfg.algorithm.adv_estimator == "gae":
+        check_model_path(cfg.critic.model_path or cfg.model.path, "critic.model_path")
+    if cfg.reward.type in ("model", "both"):
+        if not cfg.reward.model_path:
+            raise ConfigError(f"reward.type={cfg.reward.type} needs reward.model_path (the final/ folder "
+                              f"written by reward_model.py)")
+        check_model_path(cfg.reward.model_path, "reward.model_path")
+    if cfg.reward.type in ("rule", "both"):
+        try:
+            load_reward_function(cfg.reward.function)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 def run_script(main, doc: str, root, name: str) -> None:

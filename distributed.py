@@ -21,7 +21,10 @@ from typing import Optional
 
 import torch
 
+from batches import use_varlen_attention
 from config import ConfigError
+from critic import load_critic
+from utils import add_lora, load_policy, load_reference, use_gradient_checkpointing
 
 
 @dataclass
@@ -88,6 +91,28 @@ def distribute(model, accelerator, fsdp: Optional[FSDP], trainable: bool):
     if trainable and accelerator.num_processes > 1:
         return accelerator.prepare_model(model)
     return model.to(accelerator.device)
+
+
+def load_models(cfg, accelerator, fsdp, layout: str):
+    """The actor, the frozen reference (None without a KL term, or with LoRA: the actor with its adapter disabled
+    is the reference) and the critic (None unless adv_estimator=gae), each sharded under FSDP2, else replicated."""
+    policy = distribute(load_policy(cfg.model), accelerator, fsdp, trainable=True)
+    ref = critic = None
+    if (cfg.algorithm.use_kl_in_reward or cfg.algorithm.use_kl_loss) and cfg.model.lora_rank == 0:
+        ref = distribute(load_reference(cfg.model.path), accelerator, fsdp, trainable=False)
+    if cfg.algorithm.adv_estimator == "gae":
+        critic = load_critic(cfg.critic.model_path or cfg.model.path)
+        if cfg.critic.lora_rank > 0:
+            critic = add_lora(critic, cfg.critic.lora_rank, cfg.critic.lora_alpha, cfg.model, "TOKEN_CLS")
+        if cfg.model.gradient_checkpointing:
+            use_gradient_checkpointing(critic)
+        critic = distribute(critic, accelerator, fsdp, trainable=True)
+    named = [(name, m) for name, m in (("policy", policy), ("critic", critic), ("reference", ref)) if m is not None]
+    accelerator.print(describe(fsdp, accelerator, [name for name, _ in named]))
+    if layout == "packed":  # attention within each prompt / prompt+response group of the packed row
+        for _, model in named:
+            use_varlen_attention(accelerator.unwrap_model(model))
+    return policy, ref, critic
 
 
 def describe(fsdp: Optional[FSDP], accelerator, names: list) -> str:

@@ -46,17 +46,16 @@ import config
 import data
 from advantages import (gae, grpo_advantages, masked_mean, masked_whiten, reinforce_plus_plus_advantages,
                         rloo_advantages)
-from batches import batch_layout, Forward, micro_batch, per_token_pass, split_micro, use_varlen_attention
-from critic import explained_variance, load_critic, value_loss
-from distributed import describe, distribute, fsdp_from_launcher, full_state_dict, train_step
+from batches import batch_layout, Forward, micro_batch, per_token_pass, split_micro
+from critic import explained_variance, value_loss
+from distributed import fsdp_from_launcher, full_state_dict, load_models, train_step
 from kl import KLController, kl_estimate, kl_penalty_rewards
-from rewards import check_data_sources, load_reward_function, rule_for, Scorer, score_responses
+from rewards import check_data_sources, Scorer
 from rollout import HFRollout, left_pad, make_rollout
 from runs import resume_or_start, save_checkpoint, start_run, StopSignal
-from utils import (add_lora, autocast_dtype, check_loggers, check_model_path, console_line, exact_div, load_policy,
-                   load_reference, load_tokenizer, make_optimizer, MetricsLogger, plot_curves, reduce_metrics,
-                   restore_schedule, sample_table, save_pretrained_atomic, timed,
-                   use_gradient_checkpointing, wandb_resume_id)
+from utils import (autocast_dtype, check_loggers, console_line, exact_div, load_tokenizer, make_optimizer,
+                   MetricsLogger, plot_curves, reduce_metrics, restore_schedule, sample_table, save_pretrained_atomic,
+                   timed, wandb_resume_id)
 
 CONSOLE_KEYS = ["score/mean", "reward/mean", "kl/mean", "policy/entropy", "policy/clipfrac", "loss/policy",
                 "loss/value", "value/explained_var", "response/length_mean", "val/score/mean", "val/rule_score/mean",
@@ -206,30 +205,13 @@ def decode_responses(tokenizer, responses, response_mask) -> list[str]:
 
 
 @torch.no_grad()
-def validate(cfg, rollout, tokenizer, scorer, val_rows, accelerator):
-    """Generate once per validation prompt (greedy by default); mean score overall and per data_source, and
-    when a reward model scores, the task's rule on the same answers (rows with a ground truth and a rule)."""
+def validate(cfg, rollout, tokenizer, scorer, val_rows, accelerator) -> dict:
+    """One response per validation prompt (greedy by default), scored: Scorer.validation_metrics."""
     mine = val_rows[accelerator.process_index::accelerator.num_processes]
     ro = rollout.generate([r["prompt_ids"] for r in mine], n=1, temperature=cfg.rollout.val_temperature)
     texts = decode_responses(tokenizer, ro.responses, ro.response_mask)
-    scores, _ = scorer(mine, texts)
     sources = sorted({r["data_source"] for r in val_rows})
-    sums = torch.zeros(len(sources), 2)  # (sum of scores, count) per source
-    for row, s in zip(mine, scores.tolist()):
-        sums[sources.index(row["data_source"])] += torch.tensor([s, 1.0])
-    sums = accelerator.reduce(sums.to(accelerator.device), "sum").cpu()
-    metrics = {"val/score/mean": (sums[:, 0].sum() / sums[:, 1].sum()).item()}
-    metrics.update({f"val/{src}/score": (s / max(c, 1)).item() for src, (s, c) in zip(sources, sums)})
-    if scorer.model is not None:  # the task's rule on the same answers: does what the reward model likes score?
-        ruled = [(row, text) for row, text in zip(mine, texts)
-                 if row["ground_truth"] is not None and (cfg.reward.function or rule_for(row["data_source"]))]
-        rule_scores, _, _ = score_responses(scorer.rule_fn or load_reward_function(cfg.reward.function),
-                                            [row for row, _ in ruled], [text for _, text in ruled])
-        total = accelerator.reduce(torch.tensor([sum(rule_scores), len(rule_scores)], device=accelerator.device),
-                                   "sum").tolist()
-        if total[1]:
-            metrics["val/rule_score/mean"] = total[0] / total[1]
-    return metrics
+    return scorer.validation_metrics(mine, texts, sources, functools.partial(sum_over_processes, accelerator))
 
 
 @dataclass(frozen=True)
@@ -270,25 +252,6 @@ def step_seed(seed: int, step: int, stream: int) -> int:
     return seed * 100_003 + step * 1_009 + stream
 
 
-def check_inputs(cfg) -> None:
-    """The models and the reward function this run will load, checked before anything loads."""
-    check_model_path(cfg.model.path, "model.path")
-    check_model_path(cfg.model.tokenizer_path or cfg.model.path,
-                     "model.tokenizer_path" if cfg.model.tokenizer_path else "model.path", need="tokenizer")
-    if cfg.algorithm.adv_estimator == "gae":
-        check_model_path(cfg.critic.model_path or cfg.model.path, "critic.model_path")
-    if cfg.reward.type in ("model", "both"):
-        if not cfg.reward.model_path:
-            raise config.ConfigError(f"reward.type={cfg.reward.type} needs reward.model_path (the final/ folder "
-                                     f"written by reward_model.py)")
-        check_model_path(cfg.reward.model_path, "reward.model_path")
-    if cfg.reward.type in ("rule", "both"):
-        try:
-            load_reward_function(cfg.reward.function)
-        except ValueError as e:
-            raise config.ConfigError(str(e)) from None
-
-
 def load_prompts(cfg_data, tokenizer, print0) -> tuple[list, list]:
     """Training and validation prompts, tokenised once (data.load_rl_dataset), with their counts printed."""
     train_rows, stats = data.load_rl_dataset(cfg_data.train_files, tokenizer, cfg_data.max_prompt_length,
@@ -301,28 +264,6 @@ def load_prompts(cfg_data, tokenizer, print0) -> tuple[list, list]:
         val_rows = val_rows[:cfg_data.val_max_samples or None]
         print0(f"val prompts: {stats}, using {len(val_rows)}")
     return train_rows, val_rows
-
-
-def load_models(cfg, accelerator, fsdp, layout: str):
-    """The actor, the frozen reference (None without a KL term, or with LoRA: the actor with its adapter disabled
-    is the reference) and the critic (None unless adv_estimator=gae), each sharded under FSDP2, else replicated."""
-    policy = distribute(load_policy(cfg.model), accelerator, fsdp, trainable=True)
-    ref = critic = None
-    if (cfg.algorithm.use_kl_in_reward or cfg.algorithm.use_kl_loss) and cfg.model.lora_rank == 0:
-        ref = distribute(load_reference(cfg.model.path), accelerator, fsdp, trainable=False)
-    if cfg.algorithm.adv_estimator == "gae":
-        critic = load_critic(cfg.critic.model_path or cfg.model.path)
-        if cfg.critic.lora_rank > 0:
-            critic = add_lora(critic, cfg.critic.lora_rank, cfg.critic.lora_alpha, cfg.model, "TOKEN_CLS")
-        if cfg.model.gradient_checkpointing:
-            use_gradient_checkpointing(critic)
-        critic = distribute(critic, accelerator, fsdp, trainable=True)
-    named = [(name, m) for name, m in (("policy", policy), ("critic", critic), ("reference", ref)) if m is not None]
-    accelerator.print(describe(fsdp, accelerator, [name for name, _ in named]))
-    if layout == "packed":  # attention within each prompt / prompt+response group of the packed row
-        for _, model in named:
-            use_varlen_attention(accelerator.unwrap_model(model))
-    return policy, ref, critic
 
 
 def ref_logprobs(ref, policy, micro, fwd: Forward):
@@ -409,7 +350,7 @@ def main(cfg: config.Config):
     lock, resume_from, finished = start_run(accelerator, cfg, "trainer")  # the lock is held until the process ends
     if finished:
         return None
-    check_inputs(cfg)
+    cli.check_inputs(cfg)
     check_loggers(cfg.trainer.logger, "trainer.logger")
     set_seed(cfg.trainer.seed)
     t, alg, device = cfg.trainer, cfg.algorithm, accelerator.device

@@ -1,8 +1,9 @@
 """Rule rewards with verl's signature: compute_score(data_source, solution_str, ground_truth, extra_info=None).
 
 `default_compute_score` routes each row's data_source as verl 0.9.1 does (BUILTIN_SCORES; README.md "Rewards" has
-the table): verl's names to verl's own rules, ported with their quirks in verl_rules.py so that a response scores
-exactly as in verl, and this library's own, more lenient rules (gsm8k, boxed, arithmetic) under their own names.
+the table): verl's names to verl's own rules, ported with their quirks in verl_rules.py and verl_prime_math.py so
+that a response scores exactly as in verl, and this library's own, more lenient rules (gsm8k, boxed, arithmetic)
+under their own names.
 verl's code, search-tool and image routes are not built in: check_data_sources stops such a run at start-up.
 
 A custom function is `reward.function=path/to/file.py:name` (the file is executed); verl reward files work
@@ -19,6 +20,7 @@ import sys
 import warnings
 from fractions import Fraction
 
+import verl_prime_math
 import verl_rules
 from config import ConfigError
 
@@ -101,7 +103,7 @@ BUILTIN_SCORES = {
     **dict.fromkeys(["lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500"],
                     verl_rules.hendrycks_math),
     **dict.fromkeys(["math_dapo", "math", "math_dapo_reasoning"], verl_rules.dapo),  # and every aime*
-    **dict.fromkeys(NUMINA, verl_rules.prime_math),
+    **dict.fromkeys(NUMINA, verl_prime_math.prime_math),
     "gsm8k": gsm8k_score, "boxed": boxed_score, "arithmetic": arithmetic_score,  # this library's own
 }
 KNOWN = ("openai/gsm8k, lighteval/MATH, DigitalLearningGmbH/MATH-lighteval, HuggingFaceH4/MATH-500, math, math_dapo, "
@@ -261,6 +263,8 @@ class Scorer:
                                   "(the final/ folder written by reward_model.py)")
             self.model = RewardModelScorer(cfg_reward.model_path, cfg_reward.micro_batch_size, cfg_reward.normalize,
                                            cfg_reward.clip, device, dtype)
+            # the task's rule on the same answers (val/rule_score/mean): does what the reward model likes score?
+            self.task_rule = self.rule_fn or load_reward_function(cfg_reward.function)
 
     def __call__(self, rows: list[dict], texts: list[str]):
         """rows (with prompt, ground_truth, data_source, extra_info) and decoded responses → scores (B,), metrics."""
@@ -276,3 +280,24 @@ class Scorer:
             scores += (self.cfg.model_weight if both else 1.0) * model_scores
             metrics["reward/model_score_mean"] = model_scores.mean().item()
         return scores, metrics
+
+    def validation_metrics(self, rows: list[dict], texts: list[str], sources: list, reduce_sum) -> dict:
+        """val/score/mean and val/<data_source>/score over the rows of every process (`sources`: every data_source
+        of the validation set; reduce_sum sums a tensor over processes) and, with a reward model,
+        val/rule_score/mean: the task's rule on the same answers, over the rows with a ground truth and a rule."""
+        import torch
+        scores, _ = self(rows, texts)
+        sums = torch.zeros(len(sources), 2)  # (sum of scores, count) per data_source
+        for row, score in zip(rows, scores.tolist()):
+            sums[sources.index(row["data_source"])] += torch.tensor([score, 1.0])
+        sums = reduce_sum(sums)
+        metrics = {"val/score/mean": (sums[:, 0].sum() / sums[:, 1].sum()).item()}
+        metrics.update({f"val/{src}/score": (s / max(c, 1)).item() for src, (s, c) in zip(sources, sums)})
+        if self.model is not None:
+            ruled = [(row, text) for row, text in zip(rows, texts)
+                     if row["ground_truth"] is not None and (self.cfg.function or rule_for(row["data_source"]))]
+            rule_scores, _, _ = score_responses(self.task_rule, [row for row, _ in ruled], [text for _, text in ruled])
+            total, count = reduce_sum(torch.tensor([float(sum(rule_scores)), float(len(rule_scores))])).tolist()
+            if count:
+                metrics["val/rule_score/mean"] = total / count
+        return metrics
