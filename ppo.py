@@ -381,8 +381,6 @@ def main(cfg: config.Config):
     rollout = make_rollout(cfg, policy, tokenizer, accelerator, dtype, synced_forwards=fsdp is not None)
     reduce_sum = functools.partial(sum_over_processes, accelerator)
     max_tokens = cfg.actor.max_token_len_per_device if cfg.actor.use_dynamic_bsz else 0  # 0: micro-batches by count
-    # departure 3: one epoch of one mini-batch and no KL in the reward: the update's forward gives old_logprobs
-    on_policy_shortcut = cfg.actor.ppo_epochs == 1 and sizes.num_mini == 1 and not alg.use_kl_in_reward
     # step 7 updates: (name, model, optimiser, LR schedule, loss of a micro-batch, micro-batch size, max grad norm)
     actor_update = ("actor", policy, actor_opt, actor_sched, actor_loss, sizes.actor_micro, cfg.actor.max_grad_norm)
     critic_update = ("critic", critic, critic_opt, critic_sched, critic_loss, sizes.critic_micro,
@@ -428,7 +426,9 @@ def main(cfg: config.Config):
         set_train_mode([policy, critic], False)
         no_grad_pass = functools.partial(per_token_pass, batch=batch, max_tokens=max_tokens, lengths=tok_lengths,
                                          size=cfg.actor.log_prob_micro_batch_size_per_device, device=device)
-        if not on_policy_shortcut:
+        # departure 3: with one epoch of one mini-batch and no KL in the reward, actor_loss takes old_logprobs from
+        # the update's own forward instead
+        if cfg.actor.ppo_epochs > 1 or sizes.num_mini > 1 or alg.use_kl_in_reward:
             with timed(times, "time/old_logprob_s"):
                 batch["old_logprobs"] = no_grad_pass(lambda micro: fwd.logprobs(policy, micro)[0])  # (B, Tr)
         if alg.use_kl_in_reward or alg.use_kl_loss:
