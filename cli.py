@@ -252,8 +252,9 @@ def resume_changes(cfg, saved_path: str) -> list[str]:
         saved = flatten(yaml.safe_load(f) or {})
     now = flatten(to_dict(cfg))
     changed = [k for k, v in now.items() if k in saved and saved[k] != v]
+    fixed = FIXED_ON_RESUME - ({"critic.model_path"} if now.get("algorithm.adv_estimator", "gae") != "gae" else set())
     for key in changed:
-        if key in FIXED_ON_RESUME:
+        if key in fixed:  # a run without a critic (GRPO, RLOO, REINFORCE++) may change the critic's backbone
             raise ConfigError(f"`{key}` cannot change on resume (it was {saved[key]!r} in {saved_path}, now "
                               f"{now[key]!r}): set it back, or start a new run in another output_dir")
     return [f"{k} {saved[k]!r} → {now[k]!r}" for k in changed]

@@ -142,13 +142,20 @@ def test_an_override_into_a_scalar_section_and_a_folder_as_config(tmp_path):
 
 def test_resume_changes_list_free_keys_and_refuse_fixed_ones(tmp_path):
     """Against the saved config.yaml: lr and total_steps may change and are listed "key old → new"; a LoRA rank
-    may not (one sentence), for PPO's keys and the reward model's alike."""
+    may not (one sentence), for PPO's keys and the reward model's alike; the critic's backbone only where there
+    is a critic."""
     saved = tmp_path / "config.yaml"
     cli.save(cli.load_config(None, ["actor.optim.lr=1e-3"]), str(saved))
     now = cli.load_config(None, ["actor.optim.lr=5e-4", "trainer.total_steps=90"])
     assert cli.resume_changes(now, str(saved)) == ["actor.optim.lr 0.001 → 0.0005", "trainer.total_steps 60 → 90"]
     with pytest.raises(config.ConfigError, match="`model.lora_rank` cannot change on resume"):
         cli.resume_changes(cli.load_config(None, ["model.lora_rank=8"]), str(saved))
+    grpo = tmp_path / "grpo.yaml"  # no critic: its backbone is not fixed
+    cli.save(cli.load_config(None, ["algorithm.adv_estimator=grpo"]), str(grpo))
+    assert cli.resume_changes(cli.load_config(None, ["algorithm.adv_estimator=grpo", "critic.model_path=x"]),
+                              str(grpo)) == ["critic.model_path None → 'x'"]
+    with pytest.raises(config.ConfigError, match="`critic.model_path` cannot change on resume"):
+        cli.resume_changes(cli.load_config(None, ["critic.model_path=x"]), str(saved))
     rm_saved = tmp_path / "rm.yaml"
     cli.save(cli.load_config(None, root=config.RewardModelStage), str(rm_saved))
     with pytest.raises(config.ConfigError, match=r"`reward_model.lora_rank` cannot change on resume \(it was 16"):
