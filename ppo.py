@@ -50,7 +50,7 @@ from batches import batch_layout, Forward, micro_batch, per_token_pass, split_mi
 from critic import explained_variance, value_loss
 from distributed import fsdp_from_launcher, full_state_dict, load_models, train_step
 from kl import KLController, kl_estimate, kl_penalty_rewards
-from rewards import check_data_sources, Scorer
+from rewards import check_data_sources, score_on_every_process, Scorer
 from rollout import HFRollout, left_pad, make_rollout
 from runs import resume_or_start, save_checkpoint, start_run, StopSignal
 from utils import (autocast_dtype, check_loggers, console_line, exact_div, load_tokenizer, make_optimizer,
@@ -211,7 +211,7 @@ def validate(cfg, rollout, tokenizer, scorer, val_rows, accelerator) -> dict:
     ro = rollout.generate([r["prompt_ids"] for r in mine], n=1, temperature=cfg.rollout.val_temperature)
     texts = decode_responses(tokenizer, ro.responses, ro.response_mask)
     sources = sorted({r["data_source"] for r in val_rows})
-    return scorer.validation_metrics(mine, texts, sources, functools.partial(sum_over_processes, accelerator))
+    return scorer.validation_metrics(mine, texts, sources, accelerator)
 
 
 @dataclass(frozen=True)
@@ -417,7 +417,7 @@ def main(cfg: config.Config):
         # ---- 3. score: the task reward of each response
         with timed(times, "time/reward_s"):
             texts = decode_responses(tokenizer, responses, response_mask)
-            scores, reward_metrics = scorer(rows, texts)  # (B,)
+            scores, reward_metrics = score_on_every_process(scorer, rows, texts, accelerator)  # (B,)
             truncated = cut_off(responses, lengths, cfg.rollout.max_response_length, rollout.eos_ids)  # (B,)
             scores = scores + cfg.reward.overlong_penalty * truncated.float()
         metrics.update(reward_metrics)

@@ -249,6 +249,23 @@ def score_responses(compute_score, rows: list[dict], responses: list[str]) -> tu
     return scores, extras, errors
 
 
+def score_on_every_process(scorer, rows: list[dict], texts: list[str], accelerator):
+    """scorer(rows, texts) → (scores, metrics), on all processes together: when the reward fails on every sample of
+    any process's batch (RewardError), every process raises it, with the failing process's message. Raised on
+    that process alone, it would leave the others waiting for it at their next collective."""
+    import torch
+    from accelerate.utils import gather_object
+
+    error = None
+    try:
+        scores, metrics = scorer(rows, texts)
+    except RewardError as e:
+        scores, metrics, error = None, {}, str(e)
+    if accelerator.reduce(torch.tensor(float(error is not None), device=accelerator.device), "max").item():
+        raise RewardError(next(message for message in gather_object([error]) if message))
+    return scores, metrics
+
+
 class Scorer:
     """The task score of each response: a rule function, a reward model, or their weighted sum (reward.type)."""
 
@@ -281,12 +298,15 @@ class Scorer:
             metrics["reward/model_score_mean"] = model_scores.mean().item()
         return scores, metrics
 
-    def validation_metrics(self, rows: list[dict], texts: list[str], sources: list, reduce_sum) -> dict:
+    def validation_metrics(self, rows: list[dict], texts: list[str], sources: list, accelerator) -> dict:
         """val/score/mean and val/<data_source>/score over the rows of every process (`sources`: every data_source
-        of the validation set; reduce_sum sums a tensor over processes) and, with a reward model,
-        val/rule_score/mean: the task's rule on the same answers, over the rows with a ground truth and a rule."""
+        of the validation set) and, with a reward model, val/rule_score/mean: the task's rule on the same answers,
+        over the rows with a ground truth and a rule."""
         import torch
-        scores, _ = self(rows, texts)
+
+        def reduce_sum(x):  # over processes
+            return accelerator.reduce(x.to(accelerator.device), "sum").cpu()
+        scores, _ = score_on_every_process(self, rows, texts, accelerator)
         sums = torch.zeros(len(sources), 2)  # (sum of scores, count) per data_source
         for row, score in zip(rows, scores.tolist()):
             sums[sources.index(row["data_source"])] += torch.tensor([score, 1.0])

@@ -22,7 +22,7 @@ import pytest
 import cli
 import config
 import data
-from conftest import REPO, make_tokenizer, read_metrics
+from conftest import free_port, REPO, make_tokenizer, read_metrics
 from test_data import write_invalid_utf8
 from test_ppo import base_args, run_ppo, workdir  # noqa: F401 (workdir is a fixture)
 
@@ -174,6 +174,34 @@ def test_two_processes_print_the_sentence_once(workdir, tmp_path):
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert (proc.stdout + proc.stderr).count(f"ppo.py: trainer.resume: {tmp_path}/step_5 is not a checkpoint") == 1
+
+
+FAILS_ON_RANK_1 = """
+import os
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    if os.environ.get("RANK") == "1":
+        raise RuntimeError("rank 1's reward service is down")
+    return 0.5
+"""
+
+
+def test_a_reward_failing_on_one_of_two_processes_stops_both(workdir, tmp_path):
+    """The reward fails on every sample of rank 1's batch only (RewardError there): both processes stop at that
+    step, within the timeout (rank 0 used to wait for rank 1 at the next collective), and rank 0 prints rank 1's
+    message once."""
+    reward = write(tmp_path / "reward.py", FAILS_ON_RANK_1)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/ddp_cpu.yaml",
+           "--num_processes", "2", "--main_process_port", str(free_port()), "ppo.py", "--config", "configs.yaml",
+           *base_args(workdir, tmp_path / "out"), f"reward.function={reward}:compute_score",
+           "trainer.val_before_train=false"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    sentence = ("ppo.py: the reward function failed on all 8 samples of a batch, so training would learn from zeros; "
+                "the first error: RuntimeError: rank 1's reward service is down")
+    assert (proc.stdout + proc.stderr).count(sentence) == 1, proc.stderr[-3000:]
+    assert not (tmp_path / "out" / "step_1").exists()
 
 
 # ---- one run per output_dir
