@@ -356,7 +356,8 @@ def main(cfg: config.Config):
     t, alg, device = cfg.trainer, cfg.algorithm, accelerator.device
     dtype = autocast_dtype(cfg.model.dtype)
     fsdp = fsdp_from_launcher(dtype)  # FSDP2 settings of an accelerate config file, or None
-    tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
+    tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path,
+                               "model.tokenizer_path" if cfg.model.tokenizer_path else "model.path")
 
     # ---- data: prompts tokenised once, sizes checked before any model is loaded
     train_rows, val_rows = load_prompts(cfg.data, tokenizer, print0)

@@ -236,7 +236,8 @@ def main(cfg: config.RewardModelStage):
     check_model_path(rm.model_path, "reward_model.model_path")
     check_model_path(rm.tokenizer_path or rm.model_path, "reward_model.tokenizer_path" if rm.tokenizer_path
                      else "reward_model.model_path", need="tokenizer")
-    tokenizer = load_tokenizer(rm.tokenizer_path or rm.model_path)
+    tokenizer = load_tokenizer(rm.tokenizer_path or rm.model_path,
+                               "reward_model.tokenizer_path" if rm.tokenizer_path else "reward_model.model_path")
     pad_id = tokenizer.pad_token_id
 
     # ---- data: pairs tokenised once, sizes checked before the model is loaded

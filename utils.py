@@ -42,10 +42,17 @@ def autocast(device: torch.device, dtype):
 # Models
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str, key: str = "model.path"):
+    """The tokenizer at `path` (a folder, or a hub id), with pad = EOS where it has no pad token. A hub id the hub
+    does not give (no network, or no such model) fails in one sentence naming `key`."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except OSError as e:
+        reason = str(e).splitlines()[0]
+        raise ConfigError(f"{key}: {path} is not a local folder, and the hub did not give it ({reason}); give a model "
+                          f"folder (the demo's: make prepare)") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

@@ -165,6 +165,17 @@ def test_cli_prints_the_sentence_once_without_a_traceback(workdir, tmp_path, ove
     assert proc.stderr.strip().splitlines()[-1] == "ppo.py: " + sentence.format(tmp=tmp_path)
 
 
+def test_a_model_neither_local_nor_on_the_hub_fails_in_one_sentence(workdir, tmp_path, monkeypatch):
+    """model.path that reads as a hub id (no local folder of that name) and that the hub does not give (offline
+    here): one sentence naming the key, no traceback, before any model loads."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the subprocess fails at once instead of retrying the network
+    proc = run_ppo(workdir, tmp_path / "out", "model.path=nope-org/nope-model", "algorithm.adv_estimator=grpo",
+                   expect_ok=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "ppo.py: model.path: nope-org/nope-model is not a local folder, and the hub did not give it (")
+
+
 def test_two_processes_print_the_sentence_once(workdir, tmp_path):
     """With 2 processes (DDP over gloo) every rank stops, and only rank 0 prints the sentence. (The launcher,
     torch elastic, then prints its own ChildFailedError report, which ppo.py cannot silence.)"""
