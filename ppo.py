@@ -55,7 +55,7 @@ from rollout import HFRollout, left_pad, make_rollout
 from runs import resume_or_start, save_checkpoint, start_run, StopSignal
 from utils import (autocast_dtype, check_loggers, console_line, exact_div, load_tokenizer, make_optimizer,
                    MetricsLogger, plot_curves, reduce_metrics, restore_schedule, sample_table, save_pretrained_atomic,
-                   timed, wandb_resume_id)
+                   sum_over_processes, timed, wandb_resume_id)
 
 CONSOLE_KEYS = ["score/mean", "reward/mean", "kl/mean", "policy/entropy", "policy/clipfrac", "loss/policy",
                 "loss/value", "value/explained_var", "response/length_mean", "val/score/mean", "val/rule_score/mean",
@@ -193,10 +193,6 @@ def next_prompts(state: TrainState, num_rows: int, batch_size: int, seed: int, s
     inds = order[state.position:state.position + batch_size].tolist()
     state.position += batch_size
     return inds
-
-
-def sum_over_processes(accelerator, x: torch.Tensor) -> torch.Tensor:
-    return accelerator.reduce(x.to(accelerator.device), "sum").to(x.device)
 
 
 def decode_responses(tokenizer, responses, response_mask) -> list[str]:

@@ -360,7 +360,7 @@ class RewardModelScorer:
         if not arch.endswith("ForSequenceClassification"):
             raise config.ConfigError(f"{path} holds a {arch}, not a reward model (…ForSequenceClassification); "
                                      f"point reward.model_path at the final/ folder written by reward_model.py")
-        self.tokenizer = load_tokenizer(path)
+        self.tokenizer = load_tokenizer(path, "reward.model_path")
         self.device = torch.device(device)
         self.model = load_reward_model(path, self.tokenizer.pad_token_id).to(self.device).eval().requires_grad_(False)
         self.micro_batch_size, self.clip, self.dtype, self.stats = micro_batch_size, clip, autocast_dtype, None

@@ -304,20 +304,21 @@ class Scorer:
         over the rows with a ground truth and a rule."""
         import torch
 
-        def reduce_sum(x):  # over processes
-            return accelerator.reduce(x.to(accelerator.device), "sum").cpu()
+        from utils import sum_over_processes
+
         scores, _ = score_on_every_process(self, rows, texts, accelerator)
         sums = torch.zeros(len(sources), 2)  # (sum of scores, count) per data_source
         for row, score in zip(rows, scores.tolist()):
             sums[sources.index(row["data_source"])] += torch.tensor([score, 1.0])
-        sums = reduce_sum(sums)
+        sums = sum_over_processes(accelerator, sums)
         metrics = {"val/score/mean": (sums[:, 0].sum() / sums[:, 1].sum()).item()}
         metrics.update({f"val/{src}/score": (s / max(c, 1)).item() for src, (s, c) in zip(sources, sums)})
         if self.model is not None:
             ruled = [(row, text) for row, text in zip(rows, texts)
                      if row["ground_truth"] is not None and (self.cfg.function or rule_for(row["data_source"]))]
             rule_scores, _, _ = score_responses(self.task_rule, [row for row, _ in ruled], [text for _, text in ruled])
-            total, count = reduce_sum(torch.tensor([float(sum(rule_scores)), float(len(rule_scores))])).tolist()
+            total, count = sum_over_processes(accelerator, torch.tensor([sum(rule_scores), len(rule_scores)],
+                                                                        dtype=torch.float64)).tolist()
             if count:
                 metrics["val/rule_score/mean"] = total / count
         return metrics

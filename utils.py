@@ -1,4 +1,4 @@
-"""Plumbing shared by ppo.py and reward_model.py: the script entry, models, LR schedule, logging, curves.
+"""Plumbing shared by ppo.py and reward_model.py: models, LR schedule, logging, curves.
 A run's output folder (lock, checkpoints, resume, signals) is runs.py's."""
 import importlib.util
 import json
@@ -235,6 +235,11 @@ def sample_table(rows: list[tuple]) -> str:
     lines = [f"{'prompt':<40} | {'response':<40} | score"]
     lines += [f"{clip(p, 40):<40} | {clip(r, 40):<40} | {s:.3g}" for p, r, s in rows]
     return "\n".join(lines)
+
+
+def sum_over_processes(accelerator, x: torch.Tensor) -> torch.Tensor:
+    """x summed over processes, on x's own device."""
+    return accelerator.reduce(x.to(accelerator.device), "sum").to(x.device)
 
 
 def reduce_metrics(accelerator, metrics: dict) -> dict:
