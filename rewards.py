@@ -274,10 +274,7 @@ class Scorer:
         if cfg_reward.type in ("rule", "both"):
             self.rule_fn = load_reward_function(cfg_reward.function)
         if cfg_reward.type in ("model", "both"):
-            from reward_model import RewardModelScorer
-            if not cfg_reward.model_path:
-                raise ConfigError(f"reward.type={cfg_reward.type} needs reward.model_path "
-                                  "(the final/ folder written by reward_model.py)")
+            from reward_model import RewardModelScorer  # reward.model_path is checked before loading: cli.check_inputs
             self.model = RewardModelScorer(cfg_reward.model_path, cfg_reward.micro_batch_size, cfg_reward.normalize,
                                            cfg_reward.clip, device, dtype)
             # the task's rule on the same answers (val/rule_score/mean): does what the reward model likes score?
