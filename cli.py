@@ -287,7 +287,9 @@ def check_inputs(cfg) -> None:
 
 def run_script(main, doc: str, root, name: str) -> None:
     """`accelerate launch <name> --config FILE key=value …` → main(config). A user's mistake (ConfigError,
-    DataError) ends the run in one sentence, printed once, by rank 0; Ctrl-C while loading ends it quietly (130)."""
+    DataError) ends the run in one sentence, printed once, by rank 0; Ctrl-C while loading ends it quietly (130).
+    A finished multi-process CPU run leaves without the interpreter's teardown (see the end)."""
+    import torch
     from data import DataError
 
     rank0 = os.environ.get("RANK", "0") == "0"
@@ -299,3 +301,10 @@ def run_script(main, doc: str, root, name: str) -> None:
         if rank0:
             print(f"{name}: interrupted; the last checkpoint is kept", file=sys.stderr)
         sys.exit(130)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available():
+        # Done, and every process has passed the last barrier. Under FSDP2, torch keeps the gloo process group
+        # alive after destroy_process_group (DTensor's caches hold its device mesh), so its threads would still
+        # run while the interpreter tears down, which once aborted a finished process (SIGABRT): skip teardown.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)

@@ -163,18 +163,31 @@ def test_gradient_checkpointing_changes_no_metric(workdir, tmp_path):
     assert_same_metrics(tmp_path / "off", tmp_path / "on", [1, 2], tol=1e-5)
 
 
+AT_EXIT = """import atexit, os
+atexit.register(lambda: print("threads at interpreter exit:", sorted(
+    open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")), flush=True))
+"""
+
+
 def test_two_machines_on_localhost(workdir, tmp_path):
     """accelerate_configs/fsdp2_multinode.yaml as users launch it, one `accelerate launch` per machine (machine
-    ranks 0 and 1, 1 process each) on localhost: they form one FSDP2 group and train 2 steps."""
+    ranks 0 and 1, 1 process each) on localhost: they form one FSDP2 group, train 2 steps and exit 0. No
+    process reaches the interpreter's teardown with gloo's threads running (torch keeps FSDP2's process group
+    alive after destroy_process_group; a teardown beside its threads once aborted the finished rank 1)."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(AT_EXIT)  # every Python process: its threads at exit
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1", PYTHONPATH=str(tmp_path / "site"))
     port = str(free_port())
     procs = [subprocess.Popen([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                                "accelerate_configs/fsdp2_multinode.yaml", "--num_machines", "2", "--num_processes", "2",
                                "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port",
                                port, *args(workdir, tmp_path / "out", *GRPO_LORA, "trainer.total_steps=2")],
-                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=dict(os.environ, OMP_NUM_THREADS="1")) for rank in (0, 1)]
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+             for rank in (0, 1)]
     logs = [p.communicate(timeout=900)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    at_exit = [line for log in logs for line in log.splitlines() if line.startswith("threads at interpreter exit")]
+    assert at_exit and not any("gloo" in line for line in at_exit), at_exit  # the launchers' lines, not ppo.py's
     assert "parallel: fsdp2 over 2 processes (gloo)" in logs[0]
     assert [m["step"] for m in read_metrics(tmp_path / "out")] == [1, 2]
 
