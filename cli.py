@@ -16,6 +16,7 @@ import types
 import typing
 from typing import Literal, Optional
 
+import torch
 import yaml
 
 import config
@@ -252,7 +253,7 @@ def resume_changes(cfg, saved_path: str) -> list[str]:
         saved = flatten(yaml.safe_load(f) or {})
     now = flatten(to_dict(cfg))
     changed = [k for k, v in now.items() if k in saved and saved[k] != v]
-    fixed = FIXED_ON_RESUME - ({"critic.model_path"} if now.get("algorithm.adv_estimator", "gae") != "gae" else set())
+    fixed = FIXED_ON_RESUME - ({"critic.model_path"} if now.get("algorithm.adv_estimator") != "gae" else set())
     for key in changed:
         if key in fixed:  # a run without a critic (GRPO, RLOO, REINFORCE++) may change the critic's backbone
             raise ConfigError(f"`{key}` cannot change on resume (it was {saved[key]!r} in {saved_path}, now "
@@ -289,7 +290,6 @@ def run_script(main, doc: str, root, name: str) -> None:
     """`accelerate launch <name> --config FILE key=value …` → main(config). A user's mistake (ConfigError,
     DataError) ends the run in one sentence, printed once, by rank 0; Ctrl-C while loading ends it quietly (130).
     A finished multi-process CPU run leaves without the interpreter's teardown (see the end)."""
-    import torch
     from data import DataError
 
     rank0 = os.environ.get("RANK", "0") == "0"
@@ -303,8 +303,8 @@ def run_script(main, doc: str, root, name: str) -> None:
         sys.exit(130)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available():
         # Done, and every process has passed the last barrier. Under FSDP2, torch keeps the gloo process group
-        # alive after destroy_process_group (DTensor's caches hold its device mesh), so its threads would still
-        # run while the interpreter tears down, which once aborted a finished process (SIGABRT): skip teardown.
+        # alive after destroy_process_group (its device mesh stays referenced), so its threads would still run
+        # while the interpreter tears down, which once aborted a finished process (SIGABRT): skip teardown.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
