@@ -34,7 +34,7 @@ $(STAMP): requirements.txt requirements-logging.txt Makefile
 	touch $(STAMP)
 
 $(MODEL): | $(STAMP)
-	$(PY) prepare_model.py --output models/SmolLM2-135M-Instruct
+	$(PY) tools/prepare_model.py --output models/SmolLM2-135M-Instruct
 
 $(DATA): data.py | $(STAMP)
 	$(PY) data.py --task arithmetic --output data/arithmetic

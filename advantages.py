@@ -1,15 +1,35 @@
 """Advantages: how much better than expected each response token did, from its rewards (B, Tr).
 
-    gae                    with the critic's values (PPO)
-    grpo_advantages        against the other samples of the same prompt (GRPO, Dr. GRPO)
-    rloo_advantages        against the mean of the other samples (REINFORCE leave-one-out)
-    reinforce_plus_plus    the discounted return, whitened over the whole batch (REINFORCE++)
+Every estimator has one calling convention, so that ppo.py's step 6 is one line for all of them:
+
+    advantages, returns = ESTIMATORS[name](rewards, response_mask, values, s)      all (B, Tr)
+
+rewards are the token rewards (the score at the last real token, − β·KL at every token with KL in the reward),
+values the critic's (None without one), s the run's `Settings`; returns are what the critic regresses on (GAE's),
+else the estimator's own. Adding an estimator: write one such function below and add its name to ESTIMATORS (and
+to NEEDS_CRITIC or COMPARES_SAMPLES when it needs a critic or compares the samples of a prompt); the name is then a
+valid `algorithm.adv_estimator`, checked at start-up.
 
 Conventions: every result is 0 on padding; whitening divides by the biased standard deviation (as
 lm-human-preferences; verl's masked_whiten divides by the unbiased one, a factor √(N/(N−1)) apart, which
-tests/test_crosscheck.py makes explicit).
+tests/test_crosscheck.py makes explicit); a response's return is the sum of its token rewards for the estimators
+that compare samples (ppo.py, departure 5).
 """
+from dataclasses import dataclass
+from typing import Callable, Optional
+
 import torch
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the estimators read, bound once per run (ppo.main) from the algorithm config."""
+    gamma: float  # discount
+    lam: float  # GAE's λ
+    n: int  # samples per prompt: rows i·n … i·n + n − 1 are one prompt's
+    norm_by_std: bool  # GRPO: divide by the group's std (false: Dr. GRPO)
+    whiten: bool  # GAE: whiten the advantages over the batch
+    reduce_sum: Optional[Callable] = None  # sums a tensor over processes (None: this process holds the whole batch)
 
 
 def masked_mean(x, mask, dim=None):
@@ -27,58 +47,68 @@ def masked_whiten(x, mask, reduce_sum=None, eps=1e-8):
     return ((x - mean) / (var + eps) ** 0.5 * mask).to(x.dtype)
 
 
-def gae(rewards, values, response_mask, gamma: float, lam: float):
+def gae(rewards, response_mask, values, s: Settings):
     """δ_t = r_t + γ·V_{t+1} − V_t ;  Â_t = δ_t + γλ·Â_{t+1} ;  R_t = Â_t + V_t   (Schulman et al., 2016)
 
-    All (B, Tr). V beyond the last real token is 0 (the episode ends at EOS or the length limit).
-    Returns (advantages, returns), zero on padding.
+    V beyond the last real token is 0 (the episode ends at EOS or the length limit). Â whitened when s.whiten.
     """
     values = values * response_mask
     next_advantage = torch.zeros_like(rewards[:, 0])  # (B,)
     advantages = torch.zeros_like(rewards)  # (B, Tr)
     for t in reversed(range(rewards.shape[1])):
         next_value = values[:, t + 1] if t + 1 < rewards.shape[1] else torch.zeros_like(next_advantage)
-        delta = rewards[:, t] + gamma * next_value - values[:, t]
-        next_advantage = delta + gamma * lam * next_advantage
+        delta = rewards[:, t] + s.gamma * next_value - values[:, t]
+        next_advantage = delta + s.gamma * s.lam * next_advantage
         # padding neither earns advantage nor passes it back
         next_advantage = next_advantage * response_mask[:, t]
         advantages[:, t] = next_advantage
     returns = (advantages + values) * response_mask
-    return advantages, returns
+    return (masked_whiten(advantages, response_mask, s.reduce_sum) if s.whiten else advantages), returns
 
 
-def grpo_advantages(returns, response_mask, n: int, norm_by_std: bool, eps=1e-6):
+def grpo(rewards, response_mask, values, s: Settings, eps=1e-6):
     """Â_i = (R_i − mean_g R) / (std_g R + ε) over the n samples g of a prompt   (Shao et al., 2024)
 
-    norm_by_std=False drops the division (Liu et al., 2025, "Dr. GRPO"). returns (B,) → (B, Tr).
+    R_i = Σ_t r_it. s.norm_by_std=False drops the division (Liu et al., 2025, "Dr. GRPO").
     """
-    groups = returns.view(-1, n)  # (B/n, n)
+    groups = rewards.sum(1).view(-1, s.n)  # (B/n, n)
     adv = groups - groups.mean(dim=1, keepdim=True)
-    if norm_by_std:
+    if s.norm_by_std:
         adv = adv / (groups.std(dim=1, keepdim=True) + eps)
-    return adv.reshape(-1, 1) * response_mask
+    adv = adv.reshape(-1, 1) * response_mask  # (B, Tr)
+    return adv, adv
 
 
-def rloo_advantages(returns, response_mask, n: int):
-    """Â_i = R_i − 1/(n−1) · Σ_{j≠i} R_j   (Ahmadian et al., 2024, REINFORCE leave-one-out)"""
-    groups = returns.view(-1, n)  # (B/n, n)
-    baseline = (groups.sum(dim=1, keepdim=True) - groups) / (n - 1)
-    return (groups - baseline).reshape(-1, 1) * response_mask
+def rloo(rewards, response_mask, values, s: Settings):
+    """Â_i = R_i − 1/(n−1) · Σ_{j≠i} R_j,  R_i = Σ_t r_it   (Ahmadian et al., 2024, REINFORCE leave-one-out)"""
+    groups = rewards.sum(1).view(-1, s.n)  # (B/n, n)
+    baseline = (groups.sum(dim=1, keepdim=True) - groups) / (s.n - 1)
+    adv = (groups - baseline).reshape(-1, 1) * response_mask  # (B, Tr)
+    return adv, adv
 
 
-def reinforce_plus_plus_advantages(rewards, response_mask, gamma: float, reduce_sum=None):
-    """REINFORCE++ (Hu, 2025; OpenRLHF's `reinforce` estimator, trainer/ppo_utils/experience_maker.py):
-
-        G_t = r_t + γ·G_{t+1}        r_t = −β·KL_t at every token, + the score at the last real token
-        Â_t = (G_t − μ) / σ         μ, σ² = mean and variance of G over the real tokens of the GLOBAL batch
-    reduce_sum sums a tensor over processes (None: this process holds the whole batch).
-    rewards, response_mask (B, Tr) → (advantages, returns), both zero on padding.
-    """
+def discounted_returns(rewards, response_mask, gamma: float):
+    """G_t = r_t + γ·G_{t+1} over the real tokens, (B, Tr); 0 on padding."""
     rewards = rewards * response_mask
     returns = torch.zeros_like(rewards)  # (B, Tr)
     running = torch.zeros_like(rewards[:, 0])  # (B,)
     for t in reversed(range(rewards.shape[1])):
         running = rewards[:, t] + gamma * running
         returns[:, t] = running
-    returns = returns * response_mask
-    return masked_whiten(returns, response_mask, reduce_sum), returns
+    return returns * response_mask
+
+
+def reinforce_plus_plus(rewards, response_mask, values, s: Settings):
+    """REINFORCE++ (Hu, 2025; OpenRLHF's `reinforce` estimator, trainer/ppo_utils/experience_maker.py):
+
+        G_t = r_t + γ·G_{t+1}        r_t = −β·KL_t at every token, + the score at the last real token
+        Â_t = (G_t − μ) / σ         μ, σ² = mean and variance of G over the real tokens of the GLOBAL batch
+    """
+    returns = discounted_returns(rewards, response_mask, s.gamma)
+    return masked_whiten(returns, response_mask, s.reduce_sum), returns
+
+
+# name → estimator; the sets say which need the critic's values and which compare the n samples of a prompt
+ESTIMATORS = {"gae": gae, "grpo": grpo, "rloo": rloo, "reinforce_plus_plus": reinforce_plus_plus}
+NEEDS_CRITIC = {"gae"}
+COMPARES_SAMPLES = {"grpo", "rloo"}

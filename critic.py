@@ -1,28 +1,8 @@
-"""The critic: a value model and the clipped value loss (its values make GAE's advantages: advantages.gae).
-
-The value model is a causal-LM backbone with a scalar head on every token
-(`AutoModelForTokenClassification`, num_labels=1, as verl does). Initialised from the policy,
-the head starts random; initialised from a reward model trained by reward_model.py
-(`AutoModelForSequenceClassification`, whose head is also called `score`), it starts from the
-reward model's head, so values begin on the scale of the scores.
+"""The critic's losses and diagnostics: the clipped value loss and explained variance. Its values make GAE's
+advantages (advantages.gae); the value model itself (a scalar head on every token) is built by
+infra/models.load_critic.
 """
 import torch
-import transformers
-from transformers import AutoConfig, AutoModelForTokenClassification
-
-
-def load_critic(path: str) -> torch.nn.Module:
-    """A token-level value model (fp32 weights) from a policy or reward-model folder."""
-    config = AutoConfig.from_pretrained(path, num_labels=1)
-    config.classifier_dropout = 0.0  # dropout would make values differ between rollout and update
-    # From a policy, transformers reports lm_head as unused and the head as new: expected, so quiet.
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
-    model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch.float32)
-    transformers.logging.set_verbosity(verbosity)
-    if model.config.pad_token_id is None:
-        model.config.pad_token_id = model.config.eos_token_id
-    return model
 
 
 def value_loss(values, old_values, returns, response_mask, cliprange: float):

@@ -29,6 +29,8 @@ import random
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from infra.config import ConfigError
+
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'  # verl's wording
 # The demo prompt is a one-shot chat. Asked plainly ("What is 6 + 6?"), SmolLM2-135M-Instruct answers in
 # sentences; shown "2 + 3" → "5" it answers a bare number but is right only 0.2 of the time; shown the
@@ -38,7 +40,7 @@ ARITHMETIC_SHOT = ("6 + 7", "6 + 7 = 13")
 HH_ASSISTANT = "\n\nAssistant:"
 
 
-class DataError(ValueError):
+class DataError(ConfigError):
     """A dataset that cannot be used as given; the message names the file, the row and the fix."""
 
 
@@ -146,6 +148,20 @@ def load_rl_dataset(path: str, tokenizer, max_prompt_length: int, truncation: st
         raise DataError(f"{path}: all {len(raw)} prompts are longer than data.max_prompt_length={max_prompt_length} "
                         f"and were filtered; raise data.max_prompt_length")
     return rows, {"rows": len(raw), "kept": len(rows), "truncated": truncated, "filtered": filtered}
+
+
+def load_prompts(cfg_data, tokenizer, print0) -> tuple[list, list]:
+    """Training and validation prompts, tokenised once (load_rl_dataset), with their counts printed."""
+    train_rows, stats = load_rl_dataset(cfg_data.train_files, tokenizer, cfg_data.max_prompt_length,
+                                             cfg_data.truncation)
+    print0(f"train prompts: {stats}")
+    val_rows = []
+    if cfg_data.val_files:
+        val_rows, stats = load_rl_dataset(cfg_data.val_files, tokenizer, cfg_data.max_prompt_length,
+                                               cfg_data.truncation)
+        val_rows = val_rows[:cfg_data.val_max_samples or None]
+        print0(f"val prompts: {stats}, using {len(val_rows)}")
+    return train_rows, val_rows
 
 
 def load_preferences(path: str) -> tuple[list[dict], dict]:

@@ -19,20 +19,21 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -
         k3 = (r − 1) − log r         unbiased, low variance, always ≥ 0
         abs = |log r|
 
-    k3 clamps log r to ±20, as verl does, so that r stays finite. verl also clamps k3 itself to ±10 (kl_penalty,
-    "low_var_kl"); not here: that biases k3 low and gives no gradient to the tokens farthest from π_ref.
+    `kind` is a name in ESTIMATORS. k3 clamps log r to ±20, as verl does, so that r stays finite. verl also clamps
+    k3 itself to ±10 (kl_penalty, "low_var_kl"); not here: that biases k3 low and gives no gradient to the tokens
+    farthest from π_ref.
     """
-    log_ratio = ref_logprobs - logprobs
-    if kind == "k1":
-        return -log_ratio
-    if kind == "k2":
-        return 0.5 * log_ratio.square()
-    if kind == "k3":
-        log_ratio = log_ratio.clamp(-20, 20)  # e^20 ≈ 5e8: finite in fp32 and bf16
-        return (log_ratio.exp() - 1) - log_ratio
-    if kind == "abs":
-        return log_ratio.abs()
-    raise ValueError(f"unknown KL estimator {kind!r}; use k1, k2, k3 or abs")
+    return ESTIMATORS[kind](ref_logprobs - logprobs)
+
+
+def k3(log_ratio):
+    log_ratio = log_ratio.clamp(-20, 20)  # e^20 ≈ 5e8: finite in fp32 and bf16
+    return (log_ratio.exp() - 1) - log_ratio
+
+
+# name → the estimate from log r; the names valid for algorithm.kl_penalty and algorithm.kl_loss_type
+ESTIMATORS = {"k1": lambda log_ratio: -log_ratio, "k2": lambda log_ratio: 0.5 * log_ratio.square(), "k3": k3,
+              "abs": lambda log_ratio: log_ratio.abs()}
 
 
 def kl_penalty_rewards(scores: torch.Tensor, kl: torch.Tensor, response_mask: torch.Tensor, beta: float):

@@ -1,14 +1,15 @@
 """PPO for language models in one file: rollouts, scores, KL, advantages, clipped updates.
 
     accelerate launch ppo.py --config configs.yaml                          # the demo, CPU or GPU
-    accelerate launch ppo.py --config configs.yaml trainer.total_steps=20 algorithm.adv_estimator=gae
-    accelerate launch --multi_gpu --num_processes 2 ppo.py --config configs.yaml  # DDP: 2 processes (gloo on a CPU)
-    accelerate launch --config_file accelerate_configs/fsdp2.yaml --num_processes 2 ppo.py --config configs.yaml  # FSDP2
+    accelerate launch ppo.py --config configs.yaml trainer.total_steps=20 algorithm.adv_estimator=grpo
+    accelerate launch --config_file accelerate_configs/ddp_cpu.yaml --num_processes 2 ppo.py --config configs.yaml
+    accelerate launch --config_file accelerate_configs/fsdp2.yaml --num_processes 2 ppo.py --config configs.yaml
     python ppo.py --help                                                    # every config key
 
 Each step: 1. sample prompts, 2. generate, 3. score, 4. old/ref logprobs and values,
 5. rewards = score − β·KL, 6. advantages, 7. PPO epochs, 8. sync rollout weights, 9. log,
-10. checkpoint.
+10. checkpoint. The math is in the stage files beside this one (advantages.py, losses.py, kl.py, critic.py); the
+plumbing (command line, run folder, processes, model loading, the optimiser step, forwards) is in infra/.
 
 How this departs from the textbook (Schulman et al., 2017; Ziegler et al., 2019):
 1. An episode is one response; the task score arrives at its last real token (EOS included), and
@@ -25,6 +26,15 @@ How this departs from the textbook (Schulman et al., 2017; Ziegler et al., 2019)
    penalty when use_kl_in_reward), and spread one advantage over all its tokens.
 
 Shapes: B sequences on this process (prompts × n), Tq prompt length, Tr response length, V vocab.
+
+The batch, a dict of tensors with one row per sequence, filled step by step (micro_batch takes rows of it):
+    queries, query_mask          (B, Tq)  2. the prompts, left-padded
+    responses, response_mask     (B, Tr)  2. the responses, right-padded; mask 1 = a real token (EOS included)
+    rollout_logprobs             (B, Tr)  2. the sampler's; absent where the rollout has none (rollout.name=hf)
+    old_logprobs                 (B, Tr)  4. the policy's before the update; absent under departure 3
+    ref_logprobs                 (B, Tr)  4. the reference's; absent without a KL term (reward or loss)
+    old_values                   (B, Tr)  4. the critic's; absent without a critic
+    advantages, returns          (B, Tr)  6. returns are the critic's targets
 """
 import functools
 import os
@@ -33,7 +43,7 @@ import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from accelerate import Accelerator
@@ -41,122 +51,119 @@ from accelerate.utils import set_seed
 from accelerate.utils import extract_model_from_parallel as unwrap_model
 from tqdm import tqdm
 
-import cli
-import config
-import data
-from advantages import (gae, grpo_advantages, masked_mean, masked_whiten, reinforce_plus_plus_advantages,
-                        rloo_advantages)
-from batches import batch_layout, Forward, micro_batch, per_token_pass, split_micro
+import advantages
+import kl
+from advantages import COMPARES_SAMPLES, masked_mean, NEEDS_CRITIC
 from critic import explained_variance, value_loss
-from distributed import fsdp_from_launcher, full_state_dict, load_models, train_step
+from infra import cli, config
+from infra.batches import autocast_dtype, batch_layout, Forward, micro_batch, per_token_pass, split_micro
+from infra.config import ConfigError, exact_div
+from infra.distributed import fsdp_from_launcher, full_state_dict
+from infra.metrics import (check_loggers, console_line, MetricsLogger, plot_curves, reduce_metrics, sample_table,
+                           sum_over_processes, timed, wandb_resume_id)
+from infra.models import check_model_folders, load_models, load_tokenizer, save_pretrained_atomic
+from infra.optim import make_optimizer, restore_schedule, train_step
+from infra.runs import resume_or_start, save_checkpoint, start_run, StopSignal
 from kl import KLController, kl_estimate, kl_penalty_rewards
-from rewards import check_data_sources, score_on_every_process, Scorer
-from rollout import HFRollout, left_pad, make_rollout
-from runs import resume_or_start, save_checkpoint, start_run, StopSignal
-from utils import (autocast_dtype, check_loggers, console_line, exact_div, load_tokenizer, make_optimizer,
-                   MetricsLogger, plot_curves, reduce_metrics, restore_schedule, sample_table, save_pretrained_atomic,
-                   sum_over_processes, timed, wandb_resume_id)
+from losses import agg_loss, Clip, Counts, POLICY_LOSSES, rollout_is_weights
+from data import load_prompts
+from rewards import check_data_sources, check_reward_inputs, score_on_every_process, Scorer
+from rollout import cut_off, HFRollout, left_pad, make_rollout
 
 CONSOLE_KEYS = ["score/mean", "reward/mean", "kl/mean", "policy/entropy", "policy/clipfrac", "loss/policy",
                 "loss/value", "value/explained_var", "response/length_mean", "val/score/mean", "val/rule_score/mean",
                 "time/step_s"]
 
 # ---------------------------------------------------------------------------------------
-# The PPO loss: small pure functions, each a line of a paper (the advantages are in advantages.py)
+# The losses of one micro-batch, each returning (loss, metrics), with the run's settings bound once (main)
 
 
-def policy_loss(logprobs, old_logprobs, advantages, clip_low: float, clip_high: float, clip_c: float):
-    """PPO's clipped surrogate, per token (Schulman et al., 2017), with dual clip (Ye et al., 2020):
+@dataclass(frozen=True)
+class ActorLoss:
+    """Policy loss (× truncated rollout importance weight) − entropy bonus + KL loss: a micro-batch's share of the
+    mini-batch's loss (counts: departure 4), and its metrics."""
+    fwd: Forward
+    policy_loss: Callable  # losses.POLICY_LOSSES[actor.policy_loss]
+    clip: Clip
+    loss_agg_mode: str
+    entropy_coef: float
+    use_kl_loss: bool
+    kl_loss_coef: float
+    kl_loss_type: str
+    rollout_is: str  # off, token or sequence
+    rollout_is_threshold: float
 
-        ratio = exp(log π − log π_old)
-        pg_loss1 = −Â·ratio ;  pg_loss2 = −Â·clip(ratio, 1 − ε_low, 1 + ε_high) ;  pg = max(pg_loss1, pg_loss2)
-        where Â < 0:  pg = min(pg, −Â·c)      (bounds the loss of a huge ratio on a bad action)
-    Returns pg (B, Tr) and a (B, Tr) float mask of where clipping bit. The log-ratio is not clamped (verl clamps it
-    to ±20): a ratio that overflows makes the gradient non-finite, and train_step skips the whole step.
-    """
-    ratio = torch.exp(logprobs - old_logprobs)
-    pg_loss1 = -advantages * ratio
-    pg_loss2 = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
-    pg = torch.max(pg_loss1, pg_loss2)
-    pg = torch.where(advantages < 0, torch.min(pg, -advantages * clip_c), pg)
-    return pg, (pg_loss2 > pg_loss1).float()
+    @classmethod
+    def from_config(cls, cfg, fwd: Forward):
+        a, alg = cfg.actor, cfg.algorithm
+        return cls(fwd, POLICY_LOSSES[a.policy_loss], Clip(a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c),
+                   a.loss_agg_mode, a.entropy_coef, alg.use_kl_loss, alg.kl_loss_coef, alg.kl_loss_type,
+                   alg.rollout_is, alg.rollout_is_threshold)
 
-
-def rollout_is_weights(old_logprobs, rollout_logprobs, response_mask, level: str, threshold: float):
-    """Truncated importance weights for the gap between sampler and trainer (Yao et al., 2025), all (B, Tr):
-
-        token:     w_t = min(exp(log π_old(y_t) − log π_rollout(y_t)), C)
-        sequence:  w_t = min(exp(Σ_s log π_old(y_s) − log π_rollout(y_s)), C)   the same for every t of a response
-    with C = threshold; padding's log-ratio counts as 0.
-    """
-    log_w = (old_logprobs - rollout_logprobs) * response_mask
-    if level == "sequence":
-        log_w = log_w.sum(1, keepdim=True).expand_as(log_w)
-    return log_w.exp().clamp(max=threshold)
-
-
-def agg_loss(loss_mat, mask, mode: str, num_tokens: float, num_seqs: float):
-    """This micro-batch's share of the mini-batch loss, normalised by the mini-batch's counts:
-
-        token-mean:          Σ_{i,t} ℓ_it / N_tokens
-        seq-mean-token-sum:  Σ_i Σ_t ℓ_it / N_seqs
-        seq-mean-token-mean: Σ_i (Σ_t ℓ_it / T_i) / N_seqs
-    Summing the shares of all micro-batches gives the loss of the whole mini-batch.
-    """
-    if mode == "token-mean":
-        return (loss_mat * mask).sum() / num_tokens
-    if mode == "seq-mean-token-sum":
-        return (loss_mat * mask).sum() / num_seqs
-    if mode == "seq-mean-token-mean":
-        return ((loss_mat * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / num_seqs
-    raise ValueError(f"unknown loss_agg_mode {mode!r}")
-
-
-# ---------------------------------------------------------------------------------------
-# Losses: one micro-batch each, returning (loss, metrics)
-
-
-def actor_loss(policy, micro, cfg, fwd: Forward, counts: tuple):
-    """Clipped policy loss (× truncated rollout importance weight) − entropy bonus + KL loss: this micro-batch's
-    share of the mini-batch's loss (`counts`: its tokens and sequences, departure 4), and its metrics."""
-    alg, actor, mask = cfg.algorithm, cfg.actor, micro["response_mask"].float()
-    logprobs, entropy = fwd.logprobs(policy, micro, with_entropy=True)  # (B, Tr) each
-    old_logprobs = micro["old_logprobs"] if "old_logprobs" in micro else logprobs.detach()  # departure 3
-    pg, clipped = policy_loss(logprobs, old_logprobs, micro["advantages"], actor.clip_ratio_low, actor.clip_ratio_high,
-                              actor.clip_ratio_c)
-    metrics = {}
-    if "rollout_logprobs" in micro:  # departure 2: how far the sampler was from the training model
-        level = "sequence" if alg.rollout_is == "sequence" else "token"  # off: token weights, logged only
-        is_weight = rollout_is_weights(old_logprobs, micro["rollout_logprobs"], mask, level, alg.rollout_is_threshold)
-        if alg.rollout_is != "off":
-            pg = pg * is_weight
-        log_ratio = old_logprobs - micro["rollout_logprobs"]  # (B, Tr)
-        metrics.update({"rollout/is_weight_mean": masked_mean(is_weight, mask).item(),
-                        "rollout/logprob_diff_mean": masked_mean(log_ratio.abs(), mask).item(),
-                        "rollout/logprob_diff_max": (log_ratio.abs() * mask).max().item(),
-                        "rollout/ratio_mean": masked_mean(log_ratio.exp(), mask).item()})
-    loss = pg - actor.entropy_coef * entropy  # (B, Tr)
-    if "ref_logprobs" in micro:
-        if alg.use_kl_loss:
-            loss = loss + alg.kl_loss_coef * kl_estimate(logprobs, micro["ref_logprobs"], alg.kl_loss_type)
-        # kl/mean: the rollout policy's distance from the reference, as penalised, else k1: unbiased like k3,
-        # without k3's heavy tail (r − 1 − log r for a token the policy has nearly dropped)
-        kind = alg.kl_penalty if alg.use_kl_in_reward else "k1"
-        metrics["kl/mean"] = masked_mean(kl_estimate(old_logprobs, micro["ref_logprobs"], kind), mask).item()
-    metrics.update({"loss/policy": masked_mean(pg.detach(), mask).item(),
-                    "policy/clipfrac": masked_mean(clipped, mask).item(),
-                    "policy/approx_kl": masked_mean(kl_estimate(old_logprobs, logprobs.detach(), "k3"), mask).item(),
-                    "policy/entropy": masked_mean(entropy.detach(), mask).item()})
-    return agg_loss(loss, mask, actor.loss_agg_mode, *counts), metrics
+    def __call__(self, policy, micro: dict, counts: Counts):
+        mask = micro["response_mask"].float()
+        logprobs, entropy = self.fwd.logprobs(policy, micro, with_entropy=True)  # (B, Tr) each
+        old_logprobs = micro["old_logprobs"] if "old_logprobs" in micro else logprobs.detach()  # departure 3
+        pg, clipped = self.policy_loss(logprobs, old_logprobs, micro["advantages"], mask, self.clip)  # (B, Tr) each
+        metrics = {}
+        if "rollout_logprobs" in micro:  # departure 2: how far the sampler was from the training model
+            level = "sequence" if self.rollout_is == "sequence" else "token"  # off: token weights, logged only
+            is_weight = rollout_is_weights(old_logprobs, micro["rollout_logprobs"], mask, level,
+                                           self.rollout_is_threshold)  # (B, Tr)
+            if self.rollout_is != "off":
+                pg = pg * is_weight
+            log_ratio = old_logprobs - micro["rollout_logprobs"]  # (B, Tr)
+            metrics.update({"rollout/is_weight_mean": masked_mean(is_weight, mask).item(),
+                            "rollout/logprob_diff_mean": masked_mean(log_ratio.abs(), mask).item(),
+                            "rollout/logprob_diff_max": (log_ratio.abs() * mask).max().item(),
+                            "rollout/ratio_mean": masked_mean(log_ratio.exp(), mask).item()})
+        loss = pg - self.entropy_coef * entropy  # (B, Tr)
+        if "ref_logprobs" in micro:
+            if self.use_kl_loss:
+                loss = loss + self.kl_loss_coef * kl_estimate(logprobs, micro["ref_logprobs"], self.kl_loss_type)
+            # kl/mean is always k1, whichever estimator the penalty or the loss uses, so that trainer.max_kl means
+            # one thing: unbiased like k3, without k3's heavy tail (r − 1 − log r for a token nearly dropped)
+            metrics["kl/mean"] = masked_mean(kl_estimate(old_logprobs, micro["ref_logprobs"], "k1"), mask).item()
+        metrics.update({"loss/policy": masked_mean(pg.detach(), mask).item(),
+                        "policy/clipfrac": masked_mean(clipped, mask).item(),
+                        "policy/approx_kl": masked_mean(kl_estimate(old_logprobs, logprobs.detach(), "k3"),
+                                                        mask).item(),
+                        "policy/entropy": masked_mean(entropy.detach(), mask).item()})
+        return agg_loss(loss, mask, self.loss_agg_mode, counts), metrics
 
 
-def critic_loss(critic, micro, cfg, fwd: Forward, counts: tuple):
-    """vf_coef · clipped value loss, this micro-batch's share of the mini-batch's token-mean, and its metrics."""
-    mask = micro["response_mask"].float()
-    values = fwd.values(critic, micro)  # (B, Tr)
-    vf, clipfrac = value_loss(values, micro["old_values"], micro["returns"], mask, cfg.critic.cliprange_value)
-    metrics = {"loss/value": masked_mean(vf.detach(), mask).item(), "value/clipfrac": clipfrac.item()}
-    return cfg.critic.vf_coef * agg_loss(vf, mask, "token-mean", *counts), metrics
+@dataclass(frozen=True)
+class CriticLoss:
+    """vf_coef · clipped value loss: a micro-batch's share of the mini-batch's token-mean, and its metrics."""
+    fwd: Forward
+    cliprange_value: float
+    vf_coef: float
+
+    def __call__(self, critic, micro: dict, counts: Counts):
+        mask = micro["response_mask"].float()
+        values = self.fwd.values(critic, micro)  # (B, Tr)
+        vf, clipfrac = value_loss(values, micro["old_values"], micro["returns"], mask, self.cliprange_value)
+        metrics = {"loss/value": masked_mean(vf.detach(), mask).item(), "value/clipfrac": clipfrac.item()}
+        return self.vf_coef * agg_loss(vf, mask, "token-mean", counts), metrics
+
+
+@dataclass(frozen=True)
+class Update:
+    """One model that step 7 trains, with what its optimiser step needs."""
+    name: str  # "actor" or "critic": the prefix of its metrics
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    loss: Callable  # (model, micro-batch, Counts) → (loss, metrics): ActorLoss or CriticLoss
+    micro_size: int  # sequences per forward/backward
+    max_grad_norm: float
+
+
+def mini_batch_counts(response_mask, accelerator) -> Counts:
+    """The tokens and sequences of a mini-batch, averaged over processes: what its loss is normalised by. The mean,
+    not the sum, because DDP and FSDP2 average the processes' gradients (departure 4)."""
+    counts = torch.tensor([float(response_mask.sum()), float(len(response_mask))], device=accelerator.device)
+    return Counts(*(accelerator.reduce(counts, "sum") / accelerator.num_processes).tolist())
 
 
 # ---------------------------------------------------------------------------------------
@@ -224,11 +231,11 @@ class Sizes:
 def check_sizes(cfg, world: int, num_rows: int) -> Sizes:
     """Every derived batch size; one that does not divide fails here with a sentence, before any model loads."""
     d, a, n = cfg.data, cfg.actor, cfg.rollout.n
-    if cfg.algorithm.adv_estimator in ("grpo", "rloo") and n < 2:
-        raise config.ConfigError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares the samples of a "
+    if cfg.algorithm.adv_estimator in COMPARES_SAMPLES and n < 2:
+        raise ConfigError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares the samples of a "
                                  f"prompt: set rollout.n ≥ 2 (it is {n})")
     if num_rows < d.train_batch_size:
-        raise config.ConfigError(f"data.train_files has {num_rows} usable prompts, fewer than "
+        raise ConfigError(f"data.train_files has {num_rows} usable prompts, fewer than "
                                  f"data.train_batch_size={d.train_batch_size}")
     prompts = exact_div(d.train_batch_size, world, "data.train_batch_size across processes")
     num_mini = exact_div(d.train_batch_size, a.ppo_mini_batch_size,
@@ -246,20 +253,6 @@ def step_seed(seed: int, step: int, stream: int) -> int:
     two (seed, step) pairs give the same number. stream: the process index for sampling, −1 for the mini-batch
     order (the same on every process)."""
     return seed * 100_003 + step * 1_009 + stream
-
-
-def load_prompts(cfg_data, tokenizer, print0) -> tuple[list, list]:
-    """Training and validation prompts, tokenised once (data.load_rl_dataset), with their counts printed."""
-    train_rows, stats = data.load_rl_dataset(cfg_data.train_files, tokenizer, cfg_data.max_prompt_length,
-                                             cfg_data.truncation)
-    print0(f"train prompts: {stats}")
-    val_rows = []
-    if cfg_data.val_files:
-        val_rows, stats = data.load_rl_dataset(cfg_data.val_files, tokenizer, cfg_data.max_prompt_length,
-                                               cfg_data.truncation)
-        val_rows = val_rows[:cfg_data.val_max_samples or None]
-        print0(f"val prompts: {stats}, using {len(val_rows)}")
-    return train_rows, val_rows
 
 
 def ref_logprobs(ref, policy, micro, fwd: Forward):
@@ -292,19 +285,6 @@ def resume(accelerator, cfg, checkpoint, checkpointed: dict, state: TrainState):
     return logger
 
 
-def cut_off(responses, lengths, max_length: int, eos_ids) -> torch.Tensor:
-    """(B,) bool: the responses that reached max_length tokens without ending in an EOS."""
-    last_tokens = responses[torch.arange(len(responses)), (lengths - 1).clamp(min=0)]  # (B,)
-    return (lengths == max_length) & ~torch.isin(last_tokens, torch.tensor(sorted(eos_ids)))
-
-
-def mini_batch_counts(response_mask, accelerator) -> tuple[float, float]:
-    """(tokens, sequences) of a mini-batch, averaged over processes: what its loss is normalised by. The mean, not
-    the sum, because DDP and FSDP2 average the processes' gradients (departure 4)."""
-    counts = torch.tensor([float(response_mask.sum()), float(len(response_mask))], device=accelerator.device)
-    return tuple((accelerator.reduce(counts, "sum") / accelerator.num_processes).tolist())
-
-
 def batch_metrics(scores, token_rewards, lengths, truncated) -> dict:
     """Means over this process's batch: scores (B,), the summed token rewards (B, Tr), response lengths (B,), and
     the share of responses cut off at max_response_length."""
@@ -333,20 +313,35 @@ def save_final(accelerator, policy, tokenizer, cfg) -> None:
     state_dict = full_state_dict(policy)  # every process takes part in gathering the shards
     if accelerator.is_main_process:
         save_pretrained_atomic(accelerator.unwrap_model(policy), tokenizer, final, state_dict)
-        accelerator.print(f"policy saved to {final}" + (f"; merge the adapter with: python merge_lora.py {final} "
+        accelerator.print(f"policy saved to {final}" + (f"; merge the adapter with: python tools/merge_lora.py {final} "
                                                         f"{t.output_dir}/merged" if cfg.model.lora_rank else ""))
         if t.plot_curves and os.path.exists(metrics_path):
-            plot_curves(metrics_path, os.path.join(t.output_dir, "curves.png"))  # the panels of utils.CURVE_KEYS
+            plot_curves(metrics_path, os.path.join(t.output_dir, "curves.png"))  # the panels of metrics.CURVE_KEYS
+
+
+def check_names(cfg) -> None:
+    """Each name that picks a function from a stage's table is in it: an unknown one fails here, before anything
+    loads, never silently picking another."""
+    for key, name, table in (("algorithm.adv_estimator", cfg.algorithm.adv_estimator, advantages.ESTIMATORS),
+                             ("actor.policy_loss", cfg.actor.policy_loss, POLICY_LOSSES),
+                             ("algorithm.kl_penalty", cfg.algorithm.kl_penalty, kl.ESTIMATORS),
+                             ("algorithm.kl_loss_type", cfg.algorithm.kl_loss_type, kl.ESTIMATORS)):
+        if name not in table:
+            raise ConfigError(f"{key}={name!r} is not one of {', '.join(table)}")
 
 
 def main(cfg: config.Config):
+    check_names(cfg)
+    needs_critic = cfg.algorithm.adv_estimator in NEEDS_CRITIC
     accelerator = Accelerator(cpu=not torch.cuda.is_available())  # on a CPU, launched processes join over gloo
     print0 = functools.partial(accelerator.print, flush=True)  # rank 0 only; flushed even into a pipe
     # before anything loads: output_dir is this run's alone, a checkpoint fits this config, the inputs exist
-    lock, resume_from, finished = start_run(accelerator, cfg, "trainer")  # the lock is held until the process ends
+    lock, resume_from, finished = start_run(accelerator, cfg, "trainer",  # the lock is held until the process ends
+                                            unused=frozenset() if needs_critic else frozenset({"critic.model_path"}))
     if finished:
         return None
-    cli.check_inputs(cfg)
+    check_model_folders(cfg.model, (cfg.critic.model_path or cfg.model.path) if needs_critic else None)
+    check_reward_inputs(cfg.reward)
     check_loggers(cfg.trainer.logger, "trainer.logger")
     set_seed(cfg.trainer.seed)
     t, alg, device = cfg.trainer, cfg.algorithm, accelerator.device
@@ -361,9 +356,9 @@ def main(cfg: config.Config):
     check_data_sources({r["data_source"] for r in train_rows + val_rows}, cfg.reward)  # each has a rule
     n, B = cfg.rollout.n, sizes.batch
 
-    # ---- models: actor, reference, critic, reward; optimisers after sharding (they hold DTensors then)
+    # ---- models (infra/models.py builds them all): actor, reference, critic; optimisers after sharding
     fwd = Forward(cfg.rollout.temperature or 1.0, dtype, batch_layout(cfg.model, sharded=fsdp is not None))
-    policy, ref, critic = load_models(cfg, accelerator, fsdp, fwd.layout)
+    policy, ref, critic = load_models(cfg, accelerator, fsdp, fwd.layout, with_critic=needs_critic)
     actor_opt, actor_sched = make_optimizer(policy, cfg.actor.optim, t.total_steps)
     critic_opt, critic_sched = make_optimizer(critic, cfg.critic.optim, t.total_steps) if critic else (None, None)
     scorer = Scorer(cfg.reward, device, dtype)  # a reward model is replicated: it only runs forward passes
@@ -378,10 +373,16 @@ def main(cfg: config.Config):
     rollout = make_rollout(cfg, policy, tokenizer, accelerator, dtype, synced_forwards=fsdp is not None)
     reduce_sum = functools.partial(sum_over_processes, accelerator)
     max_tokens = cfg.actor.max_token_len_per_device if cfg.actor.use_dynamic_bsz else 0  # 0: micro-batches by count
-    # step 7 updates: (name, model, optimiser, LR schedule, loss of a micro-batch, micro-batch size, max grad norm)
-    actor_update = ("actor", policy, actor_opt, actor_sched, actor_loss, sizes.actor_micro, cfg.actor.max_grad_norm)
-    critic_update = ("critic", critic, critic_opt, critic_sched, critic_loss, sizes.critic_micro,
-                     cfg.critic.max_grad_norm)
+
+    # ---- what steps 6 and 7 compute with, bound once
+    estimate = advantages.ESTIMATORS[alg.adv_estimator]
+    adv_settings = advantages.Settings(alg.gamma, alg.lam, n, alg.norm_adv_by_std_in_grpo, alg.whiten_advantages,
+                                       reduce_sum)
+    actor_update = Update("actor", policy, actor_opt, actor_sched, ActorLoss.from_config(cfg, fwd), sizes.actor_micro,
+                          cfg.actor.max_grad_norm)
+    critic_update = critic and Update("critic", critic, critic_opt, critic_sched,
+                                      CriticLoss(fwd, cfg.critic.cliprange_value, cfg.critic.vf_coef),
+                                      sizes.critic_micro, cfg.critic.max_grad_norm)
 
     if t.val_before_train and val_rows and state.step == 0:
         metrics = validate(cfg, rollout, tokenizer, scorer, val_rows, accelerator)
@@ -423,7 +424,7 @@ def main(cfg: config.Config):
         set_train_mode([policy, critic], False)
         no_grad_pass = functools.partial(per_token_pass, batch=batch, max_tokens=max_tokens, lengths=tok_lengths,
                                          size=cfg.actor.log_prob_micro_batch_size_per_device, device=device)
-        # departure 3: with one epoch of one mini-batch and no KL in the reward, actor_loss takes old_logprobs from
+        # departure 3: with one epoch of one mini-batch and no KL in the reward, ActorLoss takes old_logprobs from
         # the update's own forward instead
         if cfg.actor.ppo_epochs > 1 or sizes.num_mini > 1 or alg.use_kl_in_reward:
             with timed(times, "time/old_logprob_s"):
@@ -437,26 +438,16 @@ def main(cfg: config.Config):
 
         # ---- 5. rewards = score at the last token − β·KL at every token
         beta = state.kl_ctrl.value
-        kl = torch.zeros(response_mask.shape)  # (B, Tr)
+        kl_tokens = torch.zeros(response_mask.shape)  # (B, Tr)
         if alg.use_kl_in_reward:
-            kl = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], alg.kl_penalty) * response_mask  # (B, Tr)
-            seq_kl = accelerator.reduce(masked_mean(kl, response_mask, 1).mean().to(device), "mean").item()
+            kl_tokens = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], alg.kl_penalty) * response_mask
+            seq_kl = accelerator.reduce(masked_mean(kl_tokens, response_mask, 1).mean().to(device), "mean").item()
             state.kl_ctrl.update(seq_kl, cfg.data.train_batch_size * n)
-        token_rewards = kl_penalty_rewards(scores, kl, response_mask, beta)  # (B, Tr)
+        token_rewards = kl_penalty_rewards(scores, kl_tokens, response_mask, beta)  # (B, Tr)
 
-        # ---- 6. advantages (B, Tr), zero on padding
-        if alg.adv_estimator == "gae":
-            advantages, batch["returns"] = gae(token_rewards, batch["old_values"], response_mask.float(), alg.gamma,
-                                               alg.lam)  # (B, Tr) each
-            if alg.whiten_advantages:
-                advantages = masked_whiten(advantages, response_mask, reduce_sum)
-        elif alg.adv_estimator == "grpo":
-            advantages = grpo_advantages(token_rewards.sum(1), response_mask, n, alg.norm_adv_by_std_in_grpo)
-        elif alg.adv_estimator == "reinforce_plus_plus":  # whitened with the statistics of every process
-            advantages, _ = reinforce_plus_plus_advantages(token_rewards, response_mask.float(), alg.gamma, reduce_sum)
-        else:
-            advantages = rloo_advantages(token_rewards.sum(1), response_mask, n)
-        batch["advantages"] = advantages
+        # ---- 6. advantages (B, Tr), zero on padding: advantages.ESTIMATORS[algorithm.adv_estimator]
+        batch["advantages"], batch["returns"] = estimate(token_rewards, response_mask.float(), batch.get("old_values"),
+                                                         adv_settings)  # (B, Tr) each
 
         # ---- 7. PPO epochs over mini-batches, gradient accumulation over micro-batches
         set_train_mode([policy, critic], True)
@@ -467,20 +458,22 @@ def main(cfg: config.Config):
         for epoch in range(cfg.actor.ppo_epochs):
             for mini_inds in torch.randperm(B, generator=order).split(sizes.mini):
                 counts = mini_batch_counts(response_mask[mini_inds], accelerator)  # normalise its loss (departure 4)
-                for name, model, optimizer, _, loss_fn, micro_size, max_norm in updates:
-                    with timed(times, f"time/update_{name}_s"):
+                for u in updates:
+                    with timed(times, f"time/update_{u.name}_s"):
                         micro_batches = [micro_batch(batch, i, device)
-                                         for i in split_micro(mini_inds, tok_lengths, micro_size, max_tokens)]
-                        grad_norm, losses = train_step(model, optimizer, micro_batches,
-                                                       lambda micro: loss_fn(model, micro, cfg, fwd, counts), max_norm)
+                                         for i in split_micro(mini_inds, tok_lengths, u.micro_size, max_tokens)]
+                        # one optimiser step: loss.backward() per micro-batch, gradients averaged over processes
+                        # after the last one only, clipped over every shard, optimizer.step() unless non-finite
+                        loss_fn = functools.partial(u.loss, u.model, counts=counts)
+                        grad_norm, losses = train_step(u.model, u.optimizer, micro_batches, loss_fn, u.max_grad_norm)
                     state.skipped += grad_norm is None
                     if grad_norm is not None:  # a skipped step has none
-                        stats[f"{name}/grad_norm"].append(grad_norm)
+                        stats[f"{u.name}/grad_norm"].append(grad_norm)
                     for key, values in losses.items():
                         stats[key] += values
         metrics["actor/lr"] = actor_sched.get_last_lr()[0]
-        for _, _, _, scheduler, *_ in updates:
-            scheduler.step()
+        for u in updates:
+            u.scheduler.step()
 
         # ---- 8. sync rollout weights: the next batch must come from the updated policy
         if update_actor:

@@ -1,7 +1,7 @@
 """Rule rewards with verl's signature: compute_score(data_source, solution_str, ground_truth, extra_info=None).
 
 `default_compute_score` routes each row's data_source as verl 0.9.1 does (BUILTIN_SCORES; README.md "Rewards" has
-the table): verl's names to verl's own rules, ported with their quirks in verl_rules.py and verl_prime_math.py so
+the table): verl's names to verl's own rules, ported with their quirks in reward_rules/ (verl_rules.py, verl_prime_math.py) so
 that a response scores exactly as in verl, and this library's own, more lenient rules (gsm8k, boxed, arithmetic)
 under their own names.
 verl's code, search-tool and image routes are not built in: check_data_sources stops such a run at start-up.
@@ -18,82 +18,16 @@ import os
 import re
 import sys
 import warnings
-from fractions import Fraction
 
-import verl_prime_math
-import verl_rules
-from config import ConfigError
+import torch
+from accelerate.utils import gather_object
 
-# ---- gsm8k: this library's lenient GSM8K rule (verl's own is verl_rules.gsm8k, for openai/gsm8k)
-
-GSM8K_ANSWER = re.compile(r"####\s*\$?\s*(-?[0-9.,]*[0-9])")
-ANY_NUMBER = re.compile(r"-?[0-9][0-9,]*(?:\.[0-9]+)?")
-
-
-def to_number(text: str):
-    """The exact value (a Fraction) of "1,234" or "$5." or "-3.50"; None when it is not a number. Exact, so
-    1000000001 ≠ 1000000000 and 0.0000001 ≠ 0 (a float tolerance once matched both)."""
-    try:
-        return Fraction(text.replace(",", "").replace("$", "").strip().rstrip("."))
-    except (ValueError, ZeroDivisionError):
-        return None
-
-
-def gsm8k_score(solution_str: str, ground_truth: str, strict: bool = True,
-                format_score: float = 0.0, score: float = 1.0) -> float:
-    """score when the number after the last "####" (not strict: else the last number in the text) equals
-    ground_truth as an exact number ("#### 72.0" = "72"), format_score when it is wrong, 0.0 when there is none."""
-    found = GSM8K_ANSWER.findall(solution_str)
-    if not found and not strict:
-        found = ANY_NUMBER.findall(solution_str)
-    if not found:
-        return 0.0
-    got, want = to_number(found[-1]), to_number(str(ground_truth))
-    return score if got is not None and got == want else format_score
-
-
-# ---- boxed: this library's lenient \boxed{} rule (verl's MATH rule is verl_rules.hendrycks_math)
-def last_boxed(text: str):
-    """Content of the last \\boxed{…} (braces balanced) or \\boxed x; None when there is none."""
-    start = text.rfind("\\boxed")
-    if start < 0:
-        return None
-    rest = text[start + len("\\boxed"):]
-    if rest.startswith(" "):
-        words = rest.split("$")[0].split()
-        return words[0] if words else None
-    end = verl_rules.closing_brace(rest, 0) if rest.startswith("{") else None
-    return None if end is None else rest[1:end]  # None too when the response was cut off inside the box
-
-
-def normalize_math(answer: str) -> str:
-    """Light normalisation: no spaces, \\left/\\right, \\! or trailing '.', and dfrac/tfrac → frac."""
-    for old, new in (("\\left", ""), ("\\right", ""), ("\\!", ""), ("dfrac", "frac"), ("tfrac", "frac")):
-        answer = answer.replace(old, new)
-    return "".join(answer.split()).rstrip(".")
-
-
-def boxed_score(solution_str: str, ground_truth: str) -> float:
-    """1.0 when the last boxed answer equals the ground truth (itself unboxed if boxed) after normalising."""
-    answer = last_boxed(solution_str)
-    if answer is None:
-        return 0.0
-    truth = str(ground_truth)
-    truth = last_boxed(truth) if "\\boxed" in truth else truth
-    return float(truth is not None and normalize_math(answer) == normalize_math(truth))
-
-
-# ---- arithmetic (the demo)
-EQUATION_OR_INTEGER = re.compile(r"(?:[0-9+ ]+=\s*)?(-?[0-9]+)\.?")
-
-
-def arithmetic_score(solution_str: str, ground_truth: str) -> float:
-    """1.0 only when the whole stripped response is "a + b = c" (digits, '+' and spaces before a single
-    '=') or the bare integer c, optionally with one trailing '.', and c equals the ground truth.
-    Lenient parsing ("the number after =" anywhere) gets gamed: responses grow long and repetitive."""
-    match = EQUATION_OR_INTEGER.fullmatch(solution_str.strip())
-    return float(bool(match) and int(match.group(1)) == int(str(ground_truth).strip()))
-
+from infra.config import ConfigError
+from infra.metrics import sum_over_processes
+from infra.models import check_model_path
+from reward_rules import verl_prime_math, verl_rules
+from reward_rules.library import arithmetic_score, boxed_score, gsm8k_score
+from reward_model import RewardModelScorer
 
 # ---- dispatch by data_source, as verl's default_compute_score
 NUMINA = ["numina_aops_forum", "numina_synthetic_math", "numina_amc_aime", "numina_synthetic_amc", "numina_cn_k12",
@@ -106,8 +40,7 @@ BUILTIN_SCORES = {
     **dict.fromkeys(NUMINA, verl_prime_math.prime_math),
     "gsm8k": gsm8k_score, "boxed": boxed_score, "arithmetic": arithmetic_score,  # this library's own
 }
-KNOWN = ("openai/gsm8k, lighteval/MATH, DigitalLearningGmbH/MATH-lighteval, HuggingFaceH4/MATH-500, math, math_dapo, "
-         "math_dapo_reasoning, aime*, numina_*, gsm8k, boxed, arithmetic")
+KNOWN = ", ".join([s for s in BUILTIN_SCORES if s not in NUMINA] + ["aime*", "numina_*"])  # for error messages
 NOT_BUILT_IN = {  # why a source has no rule here: verl needs more than a rule for these
     **dict.fromkeys(["codecontests", "apps", "codeforces", "taco"], "verl runs the code in a sandbox"),
     "hiyouga/geometry3k": "an image task verl scores with mathruler",
@@ -149,6 +82,17 @@ def check_data_sources(sources, reward_cfg) -> None:
         raise ConfigError(f"the data has data_source values with no built-in reward: {named}; score them with your "
                           f"own compute_score(data_source, solution_str, ground_truth, extra_info=None) by setting "
                           f"reward.function=path/to/file.py:compute_score (built in: {KNOWN})")
+
+
+def check_reward_inputs(cfg_reward) -> None:
+    """Before any model loads: the reward model folder and the reward function the run will use."""
+    if cfg_reward.type in ("model", "both"):
+        if not cfg_reward.model_path:
+            raise ConfigError(f"reward.type={cfg_reward.type} needs reward.model_path (the final/ folder "
+                              f"written by reward_model.py)")
+        check_model_path(cfg_reward.model_path, "reward.model_path")
+    if cfg_reward.type in ("rule", "both"):
+        load_reward_function(cfg_reward.function)
 
 
 def load_reward_function(spec):
@@ -253,9 +197,6 @@ def score_on_every_process(scorer, rows: list[dict], texts: list[str], accelerat
     """scorer(rows, texts) → (scores, metrics), on all processes together: when the reward fails on every sample of
     any process's batch (RewardError), every process raises it, with the failing process's message. Raised on
     that process alone, it would leave the others waiting for it at their next collective."""
-    import torch
-    from accelerate.utils import gather_object
-
     error = None
     try:
         scores, metrics = scorer(rows, texts)
@@ -274,7 +215,6 @@ class Scorer:
         if cfg_reward.type in ("rule", "both"):
             self.rule_fn = load_reward_function(cfg_reward.function)
         if cfg_reward.type in ("model", "both"):
-            from reward_model import RewardModelScorer  # reward.model_path is checked before loading: cli.check_inputs
             self.model = RewardModelScorer(cfg_reward.model_path, cfg_reward.micro_batch_size, cfg_reward.normalize,
                                            cfg_reward.clip, device, dtype)
             # the task's rule on the same answers (val/rule_score/mean): does what the reward model likes score?
@@ -282,7 +222,6 @@ class Scorer:
 
     def __call__(self, rows: list[dict], texts: list[str]):
         """rows (with prompt, ground_truth, data_source, extra_info) and decoded responses → scores (B,), metrics."""
-        import torch
         both, metrics, scores = self.cfg.type == "both", {}, torch.zeros(len(texts))
         if self.rule_fn is not None:
             rule, extras, errors = score_responses(self.rule_fn, rows, texts)
@@ -299,10 +238,6 @@ class Scorer:
         """val/score/mean and val/<data_source>/score over the rows of every process (`sources`: every data_source
         of the validation set) and, with a reward model, val/rule_score/mean: the task's rule on the same answers,
         over the rows with a ground truth and a rule."""
-        import torch
-
-        from utils import sum_over_processes
-
         scores, _ = score_on_every_process(self, rows, texts, accelerator)
         sums = torch.zeros(len(sources), 2)  # (sum of scores, count) per data_source
         for row, score in zip(rows, scores.tolist()):

@@ -2,13 +2,15 @@
 
 Both backends return the same `Rollout`, row `i·n + j` holding sample j of prompt i:
     responses      (B·n, Tr)  token ids, right-padded with the tokenizer's pad id (a tokenizer from
-                              utils.load_tokenizer, which makes EOS the pad where there is none)
+                              infra.models.load_tokenizer, which makes EOS the pad where there is none)
     response_mask  (B·n, Tr)  1 = a real response token (the EOS included), 0 = padding
     logprobs       (B·n, Tr)  the sampler's log-probabilities, or None where the backend has none
 
 `ppo.py` calls `make_rollout(...)` once, then `generate(...)` every step and `sync_weights(...)`
-after every optimiser step that changed the policy.
+after every optimiser step that changed the policy. vLLM is imported only when its backend is made (it is optional,
+and its environment must be set first: make_rollout).
 """
+import logging
 import os
 import random
 from contextlib import nullcontext
@@ -16,8 +18,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, StateDictOptions
 
-from utils import autocast_dtype
+from infra.batches import autocast_dtype
 
 
 @dataclass
@@ -51,6 +54,12 @@ def cut_at_eos(tokens: list[int], eos_ids: set[int]) -> list[int]:
         if tok in eos_ids:
             return tokens[:t + 1]
     return tokens
+
+
+def cut_off(responses, lengths, max_length: int, eos_ids) -> torch.Tensor:
+    """(B,) bool: the responses that reached max_length tokens without ending in an EOS."""
+    last_tokens = responses[torch.arange(len(responses)), (lengths - 1).clamp(min=0)]  # (B,)
+    return (lengths == max_length) & ~torch.isin(last_tokens, torch.tensor(sorted(eos_ids)))
 
 
 def eos_ids_of(tokenizer, model_config=None) -> set[int]:
@@ -111,7 +120,6 @@ def policy_weights(model) -> dict[str, torch.Tensor]:
     (a collective: every rank calls it). With LoRA the policy's weight is W + s·B·A, s = α/r (Hu et al., 2021,
     eq. 3); it is formed here from the state dict, so the training model is never merged and unmerged.
     """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     # No cpu_offload: with a full state dict it would hand the weights to rank 0 only, and every rank has an engine.
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
@@ -137,6 +145,16 @@ def kv_cache_bytes(config, tokens: int, dtype: torch.dtype) -> int:
     return 2 * config.num_hidden_layers * kv_heads * head_dim * dtype.itemsize * tokens
 
 
+class QuietRopeReload(logging.Filter):
+    """Drops vLLM's "RotaryEmbedding: Failed to load weights", which its in-place reload logs at every sync: vLLM's
+    RoPE layer holds a cos/sin cache buffer that the reload counts as loadable, and no checkpoint carries it (HF never
+    saves inv_freq). vLLM then keeps the cache it built at start, which is right (it depends on the config, not the
+    weights), so the line warns of nothing."""
+
+    def filter(self, record):
+        return not (record.msg == "%s: Failed to load weights" and record.args == ("RotaryEmbedding",))
+
+
 class VLLMRollout:
     """A vLLM engine in this process, with its own copy of the policy's weights.
 
@@ -150,6 +168,7 @@ class VLLMRollout:
     def __init__(self, cfg, model, tokenizer, unwrap=lambda m: m):
         from vllm import LLM
 
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(QuietRopeReload())
         self.cfg, self.unwrap = cfg.rollout, unwrap
         self.pad_id = tokenizer.pad_token_id
         self.eos_ids = eos_ids_of(tokenizer, unwrap(model))
@@ -237,6 +256,7 @@ def make_rollout(cfg, model, tokenizer, accelerator, autocast_dtype=None, synced
         # torch's thread count, or on CPU it pins torch to one thread and training runs at half speed.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", cfg.rollout.vllm_log_level)
         try:
             import vllm  # noqa: F401
         except ImportError as e:

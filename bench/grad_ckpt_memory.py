@@ -29,9 +29,8 @@ def one_run(path, which, checkpointing, batch, prompt, response):
     """Prints the peak RSS growth (MB) of one forward+backward, then the loss (to show both settings agree)."""
     import torch
     sys.path.insert(0, ROOT)
-    from batches import forward_logprobs, forward_values
-    from critic import load_critic
-    from utils import load_policy, use_gradient_checkpointing
+    from infra.batches import forward_logprobs, forward_values
+    from infra.models import load_critic, load_policy, use_gradient_checkpointing
 
     torch.manual_seed(0)
     if which == "actor":

@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def one_run(model_path, batch, prompt, response, chunk, dtype):
     import torch
     sys.path.insert(0, ROOT)
-    import batches
+    from infra import batches
     from transformers import AutoModelForCausalLM
 
     batches.LOGITS_CHUNK = chunk

@@ -75,7 +75,7 @@ def child(spec: dict) -> None:
     sys.path.insert(0, REPO)
     import gc
 
-    import cli
+    from infra import cli
     import ppo
     import rollout
 

@@ -40,9 +40,9 @@ def run_one(model_dir: str, backend: str, n_prompts: int, n: int, new_tokens: in
     torch.set_num_threads(2)
     from transformers import AutoModelForCausalLM
 
-    from cli import load_config
+    from infra.cli import load_config
     from rollout import make_rollout
-    from utils import load_tokenizer
+    from infra.models import load_tokenizer
 
     cfg = load_config(None, [f"model.path={model_dir}", f"rollout.name={backend}", f"rollout.dtype={dtype}",
                              f"rollout.max_response_length={new_tokens}", "rollout.ignore_eos=true",
@@ -84,7 +84,7 @@ def main():
     parser.add_argument("--one", nargs=4, metavar=("DIR", "BACKEND", "PROMPTS", "N"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.dtype == "auto":
-        from utils import fast_bf16
+        from infra.batches import fast_bf16
         args.dtype = "bf16" if fast_bf16() else "fp32"
     if args.one:  # the child process
         model_dir, backend, n_prompts, n = args.one

@@ -46,7 +46,7 @@ overrides=(
     # memory only (no effect on the maths): sequences per forward/backward
     actor.ppo_micro_batch_size_per_device=8 actor.log_prob_micro_batch_size_per_device=16
     critic.ppo_micro_batch_size_per_device=8
-    # the strict "#### <n>" rule for data_source openai/gsm8k (verl_rules.gsm8k, verl's gsm8k.py)
+    # the strict "#### <n>" rule for data_source openai/gsm8k (reward_rules/verl_rules.gsm8k, verl's gsm8k.py)
     reward.type=rule
     # verl's run has no KL guard, and its per-token k1 KL ends near 0.21: ours would stop it at 0.1
     trainer.total_steps=435 trainer.test_freq=10 trainer.val_before_train=true trainer.max_kl=0

@@ -5,16 +5,16 @@ import sys
 
 import pytest
 
-import cli
-import config
+from infra import cli
+from infra import config
 from conftest import REPO
 
 
 def test_configs_yaml_is_generated_from_the_dataclasses():
-    """configs.yaml is what `python config.py` writes from the dataclasses (their defaults and docs): edit a default
-    in config.py, regenerate, and this passes again; edit configs.yaml by hand and it fails."""
+    """configs.yaml is what `python tools/configs_yaml.py` writes from the dataclasses (their defaults and docs): edit a default
+    in infra/config.py, regenerate, and this passes again; edit configs.yaml by hand and it fails."""
     with open(f"{REPO}/configs.yaml") as f:
-        assert f.read() == cli.to_yaml(), "configs.yaml is stale: run `python config.py > configs.yaml`"
+        assert f.read() == cli.to_yaml(), "configs.yaml is stale: run `python tools/configs_yaml.py > configs.yaml`"
     for root in (config.Config, config.RewardModelStage):
         assert cli.to_dict(cli.load_config(f"{REPO}/configs.yaml", root=root)) == cli.to_dict(root())
 
@@ -52,7 +52,7 @@ def test_dotted_overrides_are_parsed_and_typed():
 
 @pytest.mark.parametrize("override, message", [
     ("trainer.total_step=3", "unknown config key `trainer.total_step`; did you mean `trainer.total_steps`?"),
-    ("algorithm.adv_estimator=ppo", "`algorithm.adv_estimator` must be one of ['gae', 'grpo', 'rloo'"),
+    ("rollout.name=sglang", "`rollout.name` must be one of ['vllm', 'hf']"),
     ("trainer.total_steps=1.5", "`trainer.total_steps` must be an integer"),
     ("data.shuffle=maybe", "`data.shuffle` must be true or false"),
     ("actor.optim=3", "config section `actor.optim` must be a mapping"),
@@ -62,6 +62,22 @@ def test_bad_overrides_name_the_key(override, message):
     """A wrong key or value fails with one sentence that names it (and the nearest valid key)."""
     with pytest.raises(config.ConfigError) as e:
         cli.load_config(f"{REPO}/configs.yaml", [override])
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("algorithm.adv_estimator=ppo", "algorithm.adv_estimator='ppo' is not one of gae, grpo, rloo, reinforce_plus_plus"),
+    ("actor.policy_loss=ppo2", "actor.policy_loss='ppo2' is not one of vanilla"),
+    ("algorithm.kl_penalty=k4", "algorithm.kl_penalty='k4' is not one of k1, k2, k3, abs"),
+    ("algorithm.kl_loss_type=low_var_kl", "algorithm.kl_loss_type='low_var_kl' is not one of k1, k2, k3, abs"),
+])
+def test_a_name_outside_its_table_fails_at_start_up(override, message):
+    """A name that picks a function from a stage's table (advantages.ESTIMATORS, losses.POLICY_LOSSES,
+    kl.ESTIMATORS) and is not in it fails in ppo.check_names, the first thing main does, naming the table's
+    entries: never a silent fallback to another estimator."""
+    import ppo
+    with pytest.raises(config.ConfigError) as e:
+        ppo.check_names(cli.load_config(None, [override]))
     assert message in str(e.value)
 
 
@@ -153,7 +169,7 @@ def test_resume_changes_list_free_keys_and_refuse_fixed_ones(tmp_path):
     grpo = tmp_path / "grpo.yaml"  # no critic: its backbone is not fixed
     cli.save(cli.load_config(None, ["algorithm.adv_estimator=grpo"]), str(grpo))
     assert cli.resume_changes(cli.load_config(None, ["algorithm.adv_estimator=grpo", "critic.model_path=x"]),
-                              str(grpo)) == ["critic.model_path None → 'x'"]
+                              str(grpo), unused=frozenset({"critic.model_path"})) == ["critic.model_path None → 'x'"]
     with pytest.raises(config.ConfigError, match="`critic.model_path` cannot change on resume"):
         cli.resume_changes(cli.load_config(None, ["critic.model_path=x"]), str(saved))
     rm_saved = tmp_path / "rm.yaml"

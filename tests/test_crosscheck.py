@@ -40,10 +40,15 @@ from torch.testing import assert_close
 
 import advantages
 import critic
+import losses
 import kl
-import ppo
-from advantages import masked_mean
+from advantages import masked_mean, Settings
 from conftest import bare_packages, pip_install
+
+
+def settings(gamma=1.0, lam=1.0, n=1, norm_by_std=True, whiten=False):
+    """advantages.Settings on one process: each estimator reads only the fields it uses."""
+    return Settings(gamma, lam, n, norm_by_std, whiten)
 
 VERL = "verl==0.9.1"
 VERL_IMPORT_DEPS = ["omegaconf==2.3.0", "antlr4-python3-runtime==4.9.3", "tensordict==0.10.0", "pyvers==0.1.0",
@@ -146,7 +151,7 @@ def test_gae_equals_verls_before_whitening(verl):
     g = torch.Generator().manual_seed(0)
     mask = right_padded_mask(6, 9, g)
     rewards, values = randn(6, 9, generator=g), randn(6, 9, generator=g)
-    adv, ret = advantages.gae(rewards, values, mask, gamma=0.97, lam=0.9)
+    adv, ret = advantages.gae(rewards, mask, values, settings(gamma=0.97, lam=0.9))
     _, verl_ret = verl.compute_gae_advantage_return(rewards, values, mask, gamma=0.97, lam=0.9)
     real = mask.bool()
     assert_close(ret[real], verl_ret[real], **EXACT64)
@@ -161,7 +166,7 @@ def test_whitened_gae_is_verls_times_the_bessel_factor(verl):
     g = torch.Generator().manual_seed(1)
     mask = right_padded_mask(4, 5, g)
     rewards, values = randn(4, 5, generator=g), randn(4, 5, generator=g)
-    adv, _ = advantages.gae(rewards, values, mask, gamma=1.0, lam=0.95)
+    adv, _ = advantages.gae(rewards, mask, values, settings(gamma=1.0, lam=0.95))
     verl_adv, _ = verl.compute_gae_advantage_return(rewards, values, mask, gamma=1.0, lam=0.95)
     n, real = mask.sum().item(), mask.bool()
     assert n < 20
@@ -185,7 +190,7 @@ def group_scores(groups, n, generator):
 
 @pytest.mark.parametrize("norm_by_std", [True, False])
 def test_grpo_equals_verls(verl, norm_by_std):
-    """grpo_advantages equals verl's compute_grpo_outcome_advantage with the same norm_adv_by_std_in_grpo, on every
+    """advantages.grpo equals verl's compute_grpo_outcome_advantage with the same norm_adv_by_std_in_grpo, on every
     token, for groups of n = 4 responses (a group with equal scores gives 0, not a division by zero)."""
     g, n = torch.Generator().manual_seed(2), 4
     mask = right_padded_mask(16, 6, g)
@@ -193,19 +198,19 @@ def test_grpo_equals_verls(verl, norm_by_std):
     index = np.array([f"prompt-{i // n}" for i in range(16)], dtype=object)
     theirs, _ = verl.compute_grpo_outcome_advantage(outcome_rewards(scores, mask), mask, index,
                                                     norm_adv_by_std_in_grpo=norm_by_std)
-    ours = advantages.grpo_advantages(scores, mask, n, norm_by_std=norm_by_std)
+    ours, _ = advantages.grpo(outcome_rewards(scores, mask), mask, None, settings(n=n, norm_by_std=norm_by_std))
     assert_close(ours, theirs, **EXACT64)
     assert torch.all(ours[:n] == 0) and ours.abs().max() > 0.1
 
 
 def test_rloo_equals_verls(verl):
-    """rloo_advantages equals verl's compute_rloo_outcome_advantage on every token, groups of n = 4."""
+    """advantages.rloo equals verl's compute_rloo_outcome_advantage on every token, groups of n = 4."""
     g, n = torch.Generator().manual_seed(3), 4
     mask = right_padded_mask(16, 6, g)
     scores = group_scores(4, n, g)
     index = np.array([f"prompt-{i // n}" for i in range(16)], dtype=object)
     theirs, _ = verl.compute_rloo_outcome_advantage(outcome_rewards(scores, mask), mask, index)
-    assert_close(advantages.rloo_advantages(scores, mask, n), theirs, **EXACT64)
+    assert_close(advantages.rloo(outcome_rewards(scores, mask), mask, None, settings(n=n))[0], theirs, **EXACT64)
 
 
 # ---- verl: losses
@@ -213,7 +218,7 @@ def test_rloo_equals_verls(verl):
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
 def test_policy_loss_equals_verls_vanilla(verl, mode):
-    """policy_loss + agg_loss equal verl's compute_policy_loss_vanilla (asymmetric clip 0.2/0.28, dual clip c = 3)
+    """losses.vanilla + agg_loss equal verl's compute_policy_loss_vanilla (asymmetric clip 0.2/0.28, dual clip c = 3)
     in each aggregation mode, and the clipped share equals verl's pg_clipfrac. agg_loss gets this batch's own token
     and sequence counts, which is what verl uses without global batch info. Log-ratios stay within ±3, so verl's
     ±20 clamp before exp never bites (convention 4); both clips and the dual clip do bite here."""
@@ -228,8 +233,8 @@ def test_policy_loss_equals_verls_vanilla(verl, mode):
     config = OmegaConf.create({"clip_ratio": 0.2, "clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": 3.0,
                                "global_batch_info": {}})
     theirs, metrics = verl.compute_policy_loss_vanilla(old_logprobs, logprobs, advantages, mask, mode, config)
-    pg, clipped = ppo.policy_loss(logprobs, old_logprobs, advantages, clip_low=0.2, clip_high=0.28, clip_c=3.0)
-    ours = ppo.agg_loss(pg, mask, mode, num_tokens=mask.sum().item(), num_seqs=float(len(mask)))
+    pg, clipped = losses.vanilla(logprobs, old_logprobs, advantages, mask, losses.Clip(low=0.2, high=0.28, c=3.0))
+    ours = losses.agg_loss(pg, mask, mode, losses.Counts(tokens=mask.sum().item(), sequences=float(len(mask))))
     assert_close(ours, theirs, **agg_tolerance(mode))
     # verl's masked_mean divides by the count + 1e-8
     assert masked_mean(clipped, mask).item() == pytest.approx(metrics["actor/pg_clipfrac"], rel=1e-8)
@@ -243,7 +248,7 @@ def test_agg_loss_of_a_micro_batch_equals_verls_with_global_counts(verl, mode):
     mask, loss_mat = right_padded_mask(5, 7, g), randn(5, 7, generator=g)
     num_tokens, num_seqs = 61.0, 16.0  # the mini-batch this micro-batch belongs to
     theirs = verl.agg_loss(loss_mat, mask, mode, dp_size=1, batch_num_tokens=num_tokens, global_batch_size=num_seqs)
-    assert_close(ppo.agg_loss(loss_mat, mask, mode, num_tokens, num_seqs), theirs, **agg_tolerance(mode))
+    assert_close(losses.agg_loss(loss_mat, mask, mode, losses.Counts(num_tokens, num_seqs)), theirs, **agg_tolerance(mode))
 
 
 def test_value_loss_equals_verls(verl):
@@ -256,7 +261,7 @@ def test_value_loss_equals_verls(verl):
     loss_mat, clipfrac = critic.value_loss(values, old_values, returns, mask, cliprange=0.2)
     theirs, verl_clipfrac = verl.compute_value_loss(values, returns, old_values, mask, cliprange_value=0.2,
                                                     loss_agg_mode="token-mean")
-    ours = ppo.agg_loss(loss_mat, mask, "token-mean", num_tokens=mask.sum().item(), num_seqs=float(len(mask)))
+    ours = losses.agg_loss(loss_mat, mask, "token-mean", losses.Counts(mask.sum().item(), float(len(mask))))
     assert_close(ours, theirs, **EXACT64)
     assert 0 < clipfrac < 1
     assert_close(clipfrac, verl_clipfrac, rtol=1e-8, atol=0)  # verl's masked_mean divides by the count + 1e-8
@@ -368,12 +373,12 @@ def test_kl_penalty_rewards_equal_openrlhfs_compute_reward(openrlhf):
 
 
 def test_reinforce_plus_plus_returns_equal_openrlhfs_cumulative_returns(openrlhf):
-    """reinforce_plus_plus_advantages' returns G_t = r_t + γ·G_{t+1} equal OpenRLHF's get_cumulative_returns at
+    """advantages.reinforce_plus_plus's returns G_t = r_t + γ·G_{t+1} equal OpenRLHF's get_cumulative_returns at
     every token, padding (0 on both sides) included, with random rewards on padding that both must ignore."""
     g = torch.Generator().manual_seed(11)
     mask = right_padded_mask(6, 9, g, dtype=torch.float32)
     rewards = randn(6, 9, generator=g, dtype=torch.float32)
-    _, ours = advantages.reinforce_plus_plus_advantages(rewards, mask, gamma=0.9)
+    _, ours = advantages.reinforce_plus_plus(rewards, mask, None, settings(gamma=0.9))
     theirs = openrlhf.RemoteExperienceMaker.get_cumulative_returns(None, rewards, mask.bool(), 0.9)
     assert_close(ours, theirs, **EXACT32)
 
@@ -384,7 +389,7 @@ def test_gae_equals_openrlhfs(openrlhf):
     g = torch.Generator().manual_seed(12)
     mask = right_padded_mask(6, 9, g)
     rewards, values = randn(6, 9, generator=g), randn(6, 9, generator=g)
-    adv, ret = advantages.gae(rewards, values, mask, gamma=0.97, lam=0.9)
+    adv, ret = advantages.gae(rewards, mask, values, settings(gamma=0.97, lam=0.9))
     their_adv, their_ret = openrlhf.RemoteExperienceMaker.get_advantages_and_returns(None, values, rewards, mask,
                                                                                      0.97, 0.9)
     assert_close(adv, their_adv, **EXACT64)
@@ -396,7 +401,7 @@ def test_advantages_equal_openrlhfs_experience_maker(openrlhf, estimator):
     """OpenRLHF's compute_advantages_and_returns, run on two experiences as its trainer runs it (rewards from score
     and KL, the `reinforce` (REINFORCE++) or `gae` estimator, then whitening over the real tokens of ALL
     experiences with the biased variance, convention 1) gives, on real tokens, the returns and advantages of
-    kl_penalty_rewards → reinforce_plus_plus_advantages (or gae → masked_whiten) on the whole batch."""
+    kl_penalty_rewards → reinforce_plus_plus (or gae, whitened) on the whole batch."""
     scores, kl_tokens, values, mask = openrlhf_batch(13)
     beta, gamma, lam = 0.05, 0.9, 0.95
     experiences = [openrlhf.Experience(action_mask=mask[rows].bool(), kl=kl_tokens[rows], values=values[rows],
@@ -416,10 +421,9 @@ def test_advantages_equal_openrlhfs_experience_maker(openrlhf, estimator):
 
     rewards = kl.kl_penalty_rewards(scores, kl_tokens, mask, beta)
     if estimator == "reinforce":
-        adv, ret = advantages.reinforce_plus_plus_advantages(rewards, mask, gamma)
+        adv, ret = advantages.reinforce_plus_plus(rewards, mask, None, settings(gamma))
     else:
-        adv, ret = advantages.gae(rewards, values, mask, gamma, lam)
-        adv = advantages.masked_whiten(adv, mask)
+        adv, ret = advantages.gae(rewards, mask, values, settings(gamma, lam, whiten=True))
     real = mask.bool()
     assert_close(ret[real], their_ret[real], **EXACT32)
     assert_close(adv[real], their_adv[real], rtol=1e-5, atol=1e-5)

@@ -203,7 +203,7 @@ def test_split_rows_is_seeded_and_holds_out_the_fraction():
 
 def test_generators_are_deterministic_and_correct():
     """Same seed, same rows; ground truths are the sums; chosen is right and rejected is not what the rule scores 1."""
-    from rewards import arithmetic_score
+    from reward_rules.library import arithmetic_score
 
     assert data.make_arithmetic(50, 3) == data.make_arithmetic(50, 3) != data.make_arithmetic(50, 4)
     for r in data.make_arithmetic(200, 0):

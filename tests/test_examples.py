@@ -14,7 +14,7 @@ import yaml
 
 from conftest import REPO, make_tiny_model, read_metrics
 
-import cli
+from infra import cli
 
 RECIPES = ["gsm8k_qwen05b_ppo.sh", "gsm8k_qwen05b_grpo_lora.sh"]
 GSM8K_LIKE = [  # (question, answer) in GSM8K's distributed jsonl form: reasoning, then "#### <n>"

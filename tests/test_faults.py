@@ -19,8 +19,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import cli
-import config
+from infra import cli
+from infra import config
 import data
 from conftest import free_port, REPO, make_tokenizer, read_metrics
 from test_data import write_invalid_utf8
@@ -221,7 +221,7 @@ def test_a_reward_failing_on_one_of_two_processes_stops_both(workdir, tmp_path):
 HOLD_LOCK = """
 import sys, time, types
 sys.path.insert(0, {repo!r})
-import runs
+from infra import runs
 one_process = types.SimpleNamespace(is_main_process=True, num_processes=1)
 lock = runs.lock_output_dir(one_process, {out!r}, "trainer.output_dir")
 print("locked", flush=True)
@@ -233,7 +233,7 @@ def test_a_second_run_fails_naming_the_holder_and_a_killed_holder_leaves_no_lock
     """While another process holds output_dir, ppo.py stops at once naming its pid and host; once that holder
     is killed with SIGKILL (no clean-up at all) the folder is free again and the new run records itself."""
     import ppo
-    from runs import lock_output_dir
+    from infra.runs import lock_output_dir
     out = tmp_path / "out"
     holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK.format(repo=REPO, out=str(out))], stdout=subprocess.PIPE,
                               text=True)
@@ -371,7 +371,7 @@ def test_a_fresh_start_moves_the_checkpoints_of_an_earlier_run_aside(workdir, tm
 def test_metrics_past_the_checkpoint_and_a_cut_off_line_are_dropped(tmp_path):
     """drop_metrics_after keeps the lines up to the step, moves later ones aside when asked, and skips a line
     that a kill cut short (it would otherwise stop the resume with a JSON error)."""
-    from runs import drop_metrics_after
+    from infra.runs import drop_metrics_after
     path, aside = tmp_path / "metrics.jsonl", tmp_path / "aside.jsonl"
     path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n{"step": 4, "a')
     drop_metrics_after(str(path), 2, str(aside))

@@ -1,5 +1,5 @@
 """Loggers and curves: wandb (offline) and TensorBoard end to end on a tiny ppo.py run, the checks that run
-before any model loads, and `python utils.py plot`.
+before any model loads, and `python tools/plot_curves.py`.
 
 wandb and tensorboard come from requirements-logging.txt (`make install` installs it); the tests that need
 them are skipped where they are missing.
@@ -118,7 +118,7 @@ def test_logger_mistakes_fail_before_any_model_loads(workdir, tmp_path, logger, 
 
 def test_check_loggers_accepts_console_as_a_no_op():
     """`console` (the configs' default) is accepted: the console line and metrics.jsonl are always on."""
-    from utils import check_loggers
+    from infra.metrics import check_loggers
 
     check_loggers(["console"], "trainer.logger")
     check_loggers([], "trainer.logger")
@@ -145,7 +145,7 @@ def fake_metrics(path, scale: float) -> str:
 
 def test_ema_is_debiased_and_smooths():
     """EMA with the TensorBoard start-up correction: a constant stays that constant; a step is approached."""
-    from utils import ema
+    from infra.metrics import ema
 
     assert ema([2.0, 2.0, 2.0], 0.9) == pytest.approx([2.0, 2.0, 2.0])
     assert ema([0.0, 1.0], 0.5) == pytest.approx([0.0, 0.5 / 0.75])
@@ -156,7 +156,7 @@ def test_plot_has_a_panel_per_logged_metric_and_overlays_runs(tmp_path, monkeypa
     each (raw + EMA for training metrics, marked points for validation) on the same panels."""
     import matplotlib.pyplot as plt
 
-    from utils import plot_curves
+    from infra.metrics import plot_curves
 
     figures = []
     monkeypatch.setattr(plt, "close", figures.append)
@@ -173,10 +173,10 @@ def test_plot_has_a_panel_per_logged_metric_and_overlays_runs(tmp_path, monkeypa
 
 
 def test_plot_command_writes_the_png(tmp_path):
-    """`python utils.py plot a/metrics.jsonl b/metrics.jsonl -o out.png`, from any directory, writes the PNG
+    """`python tools/plot_curves.py a/metrics.jsonl b/metrics.jsonl -o out.png`, from any directory, writes the PNG
     and names the panels it drew."""
     a, b = fake_metrics(tmp_path / "a" / "metrics.jsonl", 1.0), fake_metrics(tmp_path / "b" / "metrics.jsonl", 0.5)
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "utils.py"), "plot", a, b, "-o", "out.png"],
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "plot_curves.py"), a, b, "-o", "out.png"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "out.png: score/mean, reward/mean, kl/mean, policy/entropy, val/score/mean" in proc.stdout

@@ -1,5 +1,5 @@
-"""The formulas of ppo.py, advantages.py, batches.py, critic.py, kl.py and utils.lr_lambda: hand-computed cases, plain loops,
-and masking; and actor_loss on a tiny model, for the switches that act inside it."""
+"""The formulas of advantages.py, losses.py, critic.py, kl.py, infra/batches.py and infra/optim.lr_lambda: hand-computed cases, plain loops,
+and masking; and ppo.ActorLoss on a tiny model, for the switches that act inside it."""
 import math
 
 import pytest
@@ -7,10 +7,21 @@ import torch
 
 from critic import explained_variance, value_loss
 from kl import KLController, kl_estimate, kl_penalty_rewards
-from batches import chunked_logprobs_entropy, entropy_from_logits, logprobs_from_logits, split_micro
-from advantages import gae, grpo_advantages, masked_whiten, reinforce_plus_plus_advantages, rloo_advantages
-from ppo import actor_loss, agg_loss, policy_loss, rollout_is_weights
-from utils import lr_lambda
+from infra.batches import chunked_logprobs_entropy, entropy_from_logits, logprobs_from_logits, split_micro
+from advantages import gae, grpo, masked_whiten, reinforce_plus_plus, rloo, Settings
+from losses import agg_loss, Clip, Counts, rollout_is_weights, vanilla
+from ppo import ActorLoss
+from infra.optim import lr_lambda
+
+
+def settings(gamma=1.0, lam=0.95, n=1, norm_by_std=True, whiten=False, reduce_sum=None):
+    """advantages.Settings for a test: the estimators read only the fields they use."""
+    return Settings(gamma, lam, n, norm_by_std, whiten, reduce_sum)
+
+
+def policy_loss(logprobs, old_logprobs, advantages, clip_low, clip_high, clip_c):
+    """losses.vanilla with its clip range spelled out (the mask does not enter the vanilla loss)."""
+    return vanilla(logprobs, old_logprobs, advantages, torch.ones_like(advantages), Clip(clip_low, clip_high, clip_c))
 
 
 def random_mask(B, T, seed=0):
@@ -26,7 +37,7 @@ def test_gae_hand_case():
     """Two tokens, γ=0.9, λ=0.5: δ1 = 1 − 0.5 = 0.5; δ0 = 0 + 0.9·0.5 − 1 = −0.55; Â0 = δ0 + 0.45·Â1 = −0.325."""
     rewards = torch.tensor([[0.0, 1.0]])
     values = torch.tensor([[1.0, 0.5]])
-    adv, ret = gae(rewards, values, torch.ones(1, 2), gamma=0.9, lam=0.5)
+    adv, ret = gae(rewards, torch.ones(1, 2), values, settings(gamma=0.9, lam=0.5))
     assert torch.allclose(adv, torch.tensor([[-0.325, 0.5]]))
     assert torch.allclose(ret, adv + values)
 
@@ -36,7 +47,7 @@ def test_gae_equals_plain_loop_per_sequence():
     B, T, gamma, lam = 6, 9, 0.97, 0.9
     mask = random_mask(B, T)
     rewards, values = torch.randn(B, T), torch.randn(B, T)
-    adv, ret = gae(rewards, values, mask, gamma, lam)
+    adv, ret = gae(rewards, mask, values, settings(gamma, lam))
     for i in range(B):
         n = int(mask[i].sum())
         last = 0.0
@@ -52,8 +63,8 @@ def test_gae_ignores_padding():
     """Rewards and values at padded positions change nothing."""
     mask = random_mask(5, 7, seed=1)
     rewards, values = torch.randn(5, 7), torch.randn(5, 7)
-    a1, r1 = gae(rewards, values, mask, 1.0, 0.95)
-    a2, r2 = gae(rewards + 100 * (1 - mask), values - 50 * (1 - mask), mask, 1.0, 0.95)
+    a1, r1 = gae(rewards, mask, values, settings())
+    a2, r2 = gae(rewards + 100 * (1 - mask), mask, values - 50 * (1 - mask), settings())
     assert torch.allclose(a1, a2) and torch.allclose(r1, r2)
 
 
@@ -63,16 +74,20 @@ def test_gae_ignores_padding():
 def test_grpo_hand_case():
     """Group [1, 0, 0, 1]: mean ½, sample std 1/√3, so Â = ±(½)·√3; without std, ±½."""
     returns, mask = torch.tensor([1.0, 0, 0, 1]), torch.ones(4, 3)
-    adv = grpo_advantages(returns, mask, n=4, norm_by_std=True)
+    adv, _ = grpo(returns[:, None] * mask[:, :1], mask, None, settings(n=4))
     expected = 0.5 * math.sqrt(3)
     assert torch.allclose(adv[:, 0], torch.tensor([expected, -expected, -expected, expected]), atol=1e-5)
-    assert torch.allclose(grpo_advantages(returns, mask, 4, False)[:, 0], torch.tensor([0.5, -0.5, -0.5, 0.5]))
+    dr_grpo, _ = grpo(returns[:, None] * mask[:, :1], mask, None, settings(n=4, norm_by_std=False))
+    assert torch.allclose(dr_grpo[:, 0], torch.tensor([0.5, -0.5, -0.5, 0.5]))
 
 
 def test_grpo_matches_loop_and_masks():
-    """Each group is normalised on its own (plain loop), the advantage is spread over real tokens only."""
-    n, returns, mask = 4, torch.randn(12), random_mask(12, 5, seed=2)
-    adv = grpo_advantages(returns, mask, n, True)
+    """Each group is normalised on its own (plain loop) by the sum of each response's token rewards, and the
+    advantage is spread over real tokens only."""
+    n, mask = 4, random_mask(12, 5, seed=2)
+    rewards = torch.randn(12, 5) * mask
+    returns = rewards.sum(1)
+    adv, _ = grpo(rewards, mask, None, settings(n=n))
     for g in range(3):
         group = returns[g * n:(g + 1) * n]
         for j in range(n):
@@ -84,7 +99,7 @@ def test_grpo_matches_loop_and_masks():
 
 def test_rloo_hand_case():
     """[1, 0, 0]: Â = 1 − 0 = 1, 0 − ½ = −½, 0 − ½ = −½."""
-    adv = rloo_advantages(torch.tensor([1.0, 0, 0]), torch.ones(3, 2), n=3)
+    adv, _ = rloo(torch.tensor([[0.0, 1], [0, 0], [0, 0]]), torch.ones(3, 2), None, settings(n=3))
     assert torch.allclose(adv[:, 0], torch.tensor([1.0, -0.5, -0.5]))
 
 
@@ -122,8 +137,8 @@ def test_policy_loss_ratio_one_gives_minus_advantage():
 def test_agg_loss_micro_batches_sum_to_mini_batch(mode):
     """Splitting a mini-batch into micro-batches leaves the total loss unchanged (plain formula as reference)."""
     loss, mask = torch.randn(8, 5), random_mask(8, 5, seed=4)
-    ntok, nseq = mask.sum().item(), 8
-    total = sum(agg_loss(loss[i:i + 3], mask[i:i + 3], mode, ntok, nseq) for i in range(0, 8, 3))
+    counts = Counts(mask.sum().item(), 8)
+    total = sum(agg_loss(loss[i:i + 3], mask[i:i + 3], mode, counts) for i in range(0, 8, 3))
     if mode == "token-mean":
         ref = (loss * mask).sum() / mask.sum()
     elif mode == "seq-mean-token-sum":
@@ -132,7 +147,7 @@ def test_agg_loss_micro_batches_sum_to_mini_batch(mode):
         ref = ((loss * mask).sum(1) / mask.sum(1)).mean()
     assert torch.allclose(total, ref, atol=1e-6)
     garbage = loss + 1e3 * (1 - mask)  # masked positions contribute nothing
-    assert torch.allclose(agg_loss(garbage, mask, mode, ntok, nseq), agg_loss(loss, mask, mode, ntok, nseq))
+    assert torch.allclose(agg_loss(garbage, mask, mode, counts), agg_loss(loss, mask, mode, counts))
 
 
 def test_logprobs_and_entropy_match_torch_distributions():
@@ -235,7 +250,7 @@ def test_reinforce_plus_plus_hand_case():
     """γ=0.5. Sequence a: rewards [0, 2] → G = [1, 2]; sequence b: [0, pad] → G = [0]. Over the real tokens
     {1, 2, 0}: μ = 1, σ² = 2/3, so Â = [0, √1.5] and [−√1.5, 0 (padding)]."""
     rewards, mask = torch.tensor([[0.0, 2.0], [0.0, 5.0]]), torch.tensor([[1.0, 1], [1, 0]])
-    adv, ret = reinforce_plus_plus_advantages(rewards, mask, gamma=0.5)
+    adv, ret = reinforce_plus_plus(rewards, mask, None, settings(gamma=0.5))
     assert torch.allclose(ret, torch.tensor([[1.0, 2.0], [0.0, 0.0]]))
     s = math.sqrt(1.5)
     assert torch.allclose(adv, torch.tensor([[0.0, s], [-s, 0.0]]), atol=1e-6)
@@ -247,7 +262,7 @@ def test_reinforce_plus_plus_equals_plain_loop():
     B, T, gamma = 6, 9, 0.9
     mask = random_mask(B, T, seed=5)
     rewards = torch.randn(B, T)
-    adv, ret = reinforce_plus_plus_advantages(rewards, mask, gamma)
+    adv, ret = reinforce_plus_plus(rewards, mask, None, settings(gamma))
     plain = []
     for i in range(B):
         n, g = int(mask[i].sum()), 0.0
@@ -267,8 +282,8 @@ def test_reinforce_plus_plus_ignores_padding():
     """Rewards at padded positions change nothing, and advantages and returns are 0 there."""
     mask = random_mask(5, 7, seed=6)
     rewards = torch.randn(5, 7)
-    a1, r1 = reinforce_plus_plus_advantages(rewards, mask, 0.95)
-    a2, r2 = reinforce_plus_plus_advantages(rewards + 100 * (1 - mask), mask, 0.95)
+    a1, r1 = reinforce_plus_plus(rewards, mask, None, settings(0.95))
+    a2, r2 = reinforce_plus_plus(rewards + 100 * (1 - mask), mask, None, settings(0.95))
     assert torch.allclose(a1, a2) and torch.allclose(r1, r2)
     assert torch.all(a1[mask == 0] == 0) and torch.all(r1[mask == 0] == 0)
 
@@ -277,7 +292,7 @@ def test_reinforce_plus_plus_whitens_over_the_global_batch():
     """Two processes, each holding half the batch and summing its statistics with the other's (reduce_sum),
     get exactly the advantages of one process holding the whole batch, not each half whitened alone."""
     mask, rewards = random_mask(8, 6, seed=7), torch.randn(8, 6)
-    whole, _ = reinforce_plus_plus_advantages(rewards, mask, 0.9)
+    whole, _ = reinforce_plus_plus(rewards, mask, None, settings(0.9))
     sums = {}
 
     def record(half):
@@ -286,8 +301,9 @@ def test_reinforce_plus_plus_whitens_over_the_global_batch():
             return s
         return f
     halves = {"a": slice(0, 4), "b": slice(4, 8)}
-    alone = {h: reinforce_plus_plus_advantages(rewards[s], mask[s], 0.9, record(h))[0] for h, s in halves.items()}
-    joint = {h: reinforce_plus_plus_advantages(rewards[s], mask[s], 0.9, lambda t: sums["a"] + sums["b"])[0]
+    alone = {h: reinforce_plus_plus(rewards[s], mask[s], None, settings(0.9, reduce_sum=record(h)))[0]
+             for h, s in halves.items()}
+    joint = {h: reinforce_plus_plus(rewards[s], mask[s], None, settings(0.9, reduce_sum=lambda t: sums["a"] + sums["b"]))[0]
              for h, s in halves.items()}
     assert torch.allclose(torch.cat([joint["a"], joint["b"]]), whole, atol=1e-5)
     assert not torch.allclose(torch.cat([alone["a"], alone["b"]]), whole, atol=1e-3)
@@ -376,17 +392,17 @@ def tiny_actor(tmp_path_factory):
 
 
 def run_actor_loss(policy, mb, **overrides):
-    """actor_loss with the config's defaults plus `overrides` (dotted keys), no reference, the micro-batch as its
+    """ppo.ActorLoss with the config's defaults plus `overrides` (dotted keys), no reference, the micro-batch as its
     whole mini-batch; (loss, metrics). Without mb["old_logprobs"] the loss takes them from its own forward."""
-    import cli
-    from batches import Forward
+    from infra import cli
+    from infra.batches import Forward
     cfg = cli.load_config(None, [f"{k}={v}" for k, v in overrides.items()])
     mask = mb["response_mask"]
-    return actor_loss(policy, mb, cfg, Forward(1.0, None, "padded"), (float(mask.sum()), float(len(mask))))
+    return ActorLoss.from_config(cfg, Forward(1.0, None, "padded"))(policy, mb, Counts(float(mask.sum()), float(len(mask))))
 
 
 def logprobs_of(policy, mb):
-    from batches import forward_logprobs
+    from infra.batches import forward_logprobs
     with torch.no_grad():
         return forward_logprobs(policy, mb, 1.0, None, True, "padded")
 

@@ -4,10 +4,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import batches
-import critic as critic_mod
+from infra import batches
+from infra.models import load_critic
 from conftest import make_tiny_model
-from batches import forward_logprobs, forward_values, micro_batch, per_token_pass
+from infra.batches import forward_logprobs, forward_values, micro_batch, per_token_pass
 from rollout import left_pad, right_pad
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -31,7 +31,7 @@ def models(tmp_path_factory):
     """Policy and critic with batches.varlen_sdpa, as ppo.py sets it under packing (padded forwards unchanged)."""
     path = make_tiny_model(tmp_path_factory.mktemp("packing"))
     policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(DEVICE).eval()
-    value_model = critic_mod.load_critic(path).to(DEVICE).eval()
+    value_model = load_critic(path).to(DEVICE).eval()
     for model in (policy, value_model):
         batches.use_varlen_attention(model)
     return policy, value_model

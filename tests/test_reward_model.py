@@ -196,7 +196,7 @@ def test_demo_pairs_teach_the_rule():
     """Every demo pair (data.py --task arithmetic-preferences) has a chosen answer the `arithmetic` rule scores 1
     and a rejected one it scores 0; in tens, ones and bare pairs both answers have the same form and length, so
     only the sum separates them; every kind is there in about its share."""
-    from rewards import arithmetic_score
+    from reward_rules.library import arithmetic_score
     rows = data.make_arithmetic_preferences(2000, seed=0)
     counts = {}
     for row in rows:

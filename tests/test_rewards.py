@@ -11,8 +11,9 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import rewards  # noqa: E402
-from config import ConfigError  # noqa: E402
-from rewards import arithmetic_score, boxed_score, default_compute_score, gsm8k_score, last_boxed  # noqa: E402
+from infra.config import ConfigError  # noqa: E402
+from rewards import default_compute_score  # noqa: E402
+from reward_rules.library import arithmetic_score, boxed_score, gsm8k_score, last_boxed  # noqa: E402
 
 
 # ---- GSM8K

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from cli import load_config
+from infra.cli import load_config
 from rollout import HFRollout, make_rollout
 
 # find_spec, not import: vLLM must first be imported by make_rollout, after it has set OMP_NUM_THREADS.

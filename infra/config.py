@@ -1,7 +1,7 @@
 """Every config key: its type, its default (written here once) and, in the string under it, its meaning.
 
 ppo.py reads `Config`, reward_model.py `RewardModelStage`; they share the LoRA and run fields. configs.yaml is
-generated from these dataclasses (`python config.py > configs.yaml`, every key with its documentation as a
+generated from these dataclasses (`python tools/configs_yaml.py > configs.yaml`, every key with its documentation as a
 comment); cli.py reads a YAML file and dotted overrides into them and checks every value (types, RANGES).
 """
 from dataclasses import dataclass, field
@@ -26,7 +26,7 @@ class LoRAFields:
 @dataclass
 class ModelConfig(LoRAFields):
     path: str = "models/SmolLM2-135M-Instruct"
-    """policy checkpoint: a local folder or a hub id (the demo model is made by prepare_model.py)"""
+    """policy checkpoint: a local folder or a hub id (the demo model is made by tools/prepare_model.py)"""
     tokenizer_path: Optional[str] = None
     """tokenizer folder; null means `path`"""
     dtype: Literal["auto", "bf16", "fp32"] = "auto"
@@ -87,6 +87,8 @@ class RolloutConfig:
     """sequences per HF generate call"""
     ignore_eos: bool = False
     """keep generating past EOS to max_response_length (fixed-length responses, for benchmarks)"""
+    vllm_log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "WARNING"
+    """vLLM's own logging (INFO prints its engine set-up); the environment's VLLM_LOGGING_LEVEL wins when set"""
 
 
 @dataclass
@@ -103,9 +105,9 @@ class KLControlConfig:
 
 @dataclass
 class AlgorithmConfig:
-    adv_estimator: Literal["gae", "grpo", "rloo", "reinforce_plus_plus"] = "gae"
-    """advantage estimator: gae (critic), grpo (group-normalised), rloo (leave-one-out), reinforce_plus_plus
-    (discounted return per token, whitened over the global batch; as OpenRLHF, with use_kl_in_reward=true)"""
+    adv_estimator: str = "gae"
+    """advantage estimator, a name in advantages.ESTIMATORS: gae (with the critic), grpo (group-normalised), rloo
+    (leave-one-out), reinforce_plus_plus (discounted return per token, whitened over the global batch)"""
     gamma: float = 1.0
     """discount factor for GAE and REINFORCE++"""
     lam: float = 0.95
@@ -116,16 +118,16 @@ class AlgorithmConfig:
     """GAE: whiten advantages over the valid tokens of the batch"""
     use_kl_in_reward: bool = False
     """subtract β·KL(policy‖ref) from the per-token reward"""
-    kl_penalty: Literal["k1", "k2", "k3", "abs"] = "k1"
-    """KL estimator for the reward penalty"""
+    kl_penalty: str = "k1"
+    """KL estimator for the reward penalty, a name in kl.ESTIMATORS"""
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     """controller for β"""
     use_kl_loss: bool = True
     """add kl_loss_coef·KL(policy‖ref) to the policy loss (as GRPO does)"""
     kl_loss_coef: float = 0.1
     """weight of the KL loss"""
-    kl_loss_type: Literal["k1", "k2", "k3", "abs"] = "k3"
-    """KL estimator for the KL loss"""
+    kl_loss_type: str = "k3"
+    """KL estimator for the KL loss, a name in kl.ESTIMATORS"""
     rollout_is: Literal["off", "token", "sequence"] = "off"
     """truncated importance sampling for rollout/training mismatch"""
     rollout_is_threshold: float = 2.0
@@ -160,6 +162,8 @@ class ActorConfig:
     """sequences per forward/backward on one process (gradient accumulation fills the mini-batch)"""
     log_prob_micro_batch_size_per_device: int = 64
     """sequences per no-grad forward for old/ref logprobs and values"""
+    policy_loss: str = "vanilla"
+    """the per-token policy loss, a name in losses.POLICY_LOSSES: vanilla (PPO's clipped surrogate)"""
     clip_ratio_low: float = 0.2
     """PPO clip: ratio ≥ 1 − clip_ratio_low"""
     clip_ratio_high: float = 0.2
@@ -348,6 +352,13 @@ class ConfigError(ValueError):
     pass
 
 
+def exact_div(a: int, b: int, what: str) -> int:
+    """a / b as an int, or a sentence saying which batch size does not divide."""
+    if b <= 0 or a % b != 0:
+        raise ConfigError(f"{what}: {a} is not divisible by {b}")
+    return a // b
+
+
 # The range of every number, by field name (a name means the same thing in every section). Any number not
 # listed must be ≥ 0. Every number must be finite; a list (betas) is checked element by element.
 RANGES = {
@@ -373,9 +384,3 @@ FIXED_ON_RESUME = {"model.path", "model.tokenizer_path", "model.lora_rank", "mod
                    "algorithm.adv_estimator", "critic.model_path", "reward_model.model_path",
                    "reward_model.tokenizer_path", "reward_model.lora_rank", "reward_model.lora_alpha",
                    "reward_model.target_modules", "reward_model.lora_top_layers", "reward_model.batch_size"}
-
-
-if __name__ == "__main__":  # python config.py > configs.yaml
-    from cli import to_yaml
-
-    print(to_yaml(), end="")

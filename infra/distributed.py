@@ -15,16 +15,18 @@ everything else as JSON: nothing in a checkpoint is unpickled, so a planted file
 import json
 import os
 import random
-from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict, StateDictOptions)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard, MixedPrecisionPolicy
 
-from batches import use_varlen_attention
-from config import ConfigError
-from critic import load_critic
-from utils import add_lora, load_policy, load_reference, use_gradient_checkpointing
+from infra.config import ConfigError
 
 
 @dataclass
@@ -60,8 +62,6 @@ def fsdp_from_launcher(compute_dtype: Optional[torch.dtype] = None) -> Optional[
 
 def shard(model, fsdp: FSDP, device):
     """fully_shard each decoder layer (the model's `_no_split_modules`), then the whole model, in place."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard, MixedPrecisionPolicy
 
     # decoder-layer classes: the config's fsdp_transformer_layer_cls_to_wrap, else transformers' _no_split_modules
     named = os.environ.get("FSDP_TRANSFORMER_CLS_TO_WRAP")
@@ -93,28 +93,6 @@ def distribute(model, accelerator, fsdp: Optional[FSDP], trainable: bool):
     return model.to(accelerator.device)
 
 
-def load_models(cfg, accelerator, fsdp, layout: str):
-    """The actor, the frozen reference (None without a KL term, or with LoRA: the actor with its adapter disabled
-    is the reference) and the critic (None unless adv_estimator=gae), each sharded under FSDP2, else replicated."""
-    policy = distribute(load_policy(cfg.model), accelerator, fsdp, trainable=True)
-    ref = critic = None
-    if (cfg.algorithm.use_kl_in_reward or cfg.algorithm.use_kl_loss) and cfg.model.lora_rank == 0:
-        ref = distribute(load_reference(cfg.model.path), accelerator, fsdp, trainable=False)
-    if cfg.algorithm.adv_estimator == "gae":
-        critic = load_critic(cfg.critic.model_path or cfg.model.path)
-        if cfg.critic.lora_rank > 0:
-            critic = add_lora(critic, cfg.critic.lora_rank, cfg.critic.lora_alpha, cfg.model, "TOKEN_CLS")
-        if cfg.model.gradient_checkpointing:
-            use_gradient_checkpointing(critic)
-        critic = distribute(critic, accelerator, fsdp, trainable=True)
-    named = [(name, m) for name, m in (("policy", policy), ("critic", critic), ("reference", ref)) if m is not None]
-    accelerator.print(describe(fsdp, accelerator, [name for name, _ in named]))
-    if layout == "packed":  # attention within each prompt / prompt+response group of the packed row
-        for _, model in named:
-            use_varlen_attention(accelerator.unwrap_model(model))
-    return policy, ref, critic
-
-
 def describe(fsdp: Optional[FSDP], accelerator, names: list) -> str:
     """One line for the log: the strategy, the process count, and what became of the models `names`."""
     world = accelerator.num_processes
@@ -128,60 +106,8 @@ def describe(fsdp: Optional[FSDP], accelerator, names: list) -> str:
     return f"parallel: 1 process; {', '.join(names)} whole"
 
 
-@contextmanager
-def gradient_sync(model, enabled: bool):
-    """Accumulate gradients locally (enabled=False) until the last micro-batch, where they are averaged."""
-    if enabled:
-        yield
-    elif root := next((m for m in model.modules() if hasattr(m, "set_requires_gradient_sync")), None):  # FSDP2
-        root.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            root.set_requires_gradient_sync(True)
-    else:  # DDP, or one process
-        with model.no_sync() if hasattr(model, "no_sync") else nullcontext():
-            yield
-
-
-def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
-    """‖g‖₂ over all gradients, every shard included; g is scaled down to max_norm when it is larger."""
-    from torch.distributed.tensor import DTensor
-
-    params = [p for p in parameters if p.grad is not None]
-    total = torch.nn.utils.get_total_norm([p.grad for p in params])
-    if isinstance(total, DTensor):  # each process holds the norm of its shards: combine them (as torchtitan does)
-        total = total.full_tensor()
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-    return total
-
-
-def train_step(model, optimizer, micro_batches: list, loss_fn, max_grad_norm: float):
-    """One optimiser step: gradients accumulated over the micro-batches, averaged over processes after the last
-    one only (DDP, FSDP2), clipped over every shard, then applied. loss_fn(mb) → (loss, metrics dict).
-
-    A non-finite loss or gradient never reaches the weights: the step is skipped and its grad norm is None
-    (the same on every process, since the norm is taken after the gradients are averaged).
-    Returns (grad norm or None, {metric: [one value per micro-batch]}).
-    """
-    metrics = {}
-    for i, mb in enumerate(micro_batches):
-        with gradient_sync(model, enabled=i == len(micro_batches) - 1):
-            loss, mb_metrics = loss_fn(mb)
-            loss.backward()
-        for key, value in mb_metrics.items():
-            metrics.setdefault(key, []).append(value)
-    grad_norm = clip_grad_norm(model.parameters(), max_grad_norm)
-    finite = bool(torch.isfinite(grad_norm))
-    if finite:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return (grad_norm.item() if finite else None), metrics
-
-
 def full_state_dict(model) -> dict:
     """Every weight whole, on the CPU (a collective under FSDP2: every process calls it)."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, StateDictOptions
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
@@ -193,8 +119,6 @@ def full_state_dict(model) -> dict:
 def _tensors(models: dict) -> dict:
     """{name: (model, optimizer or None)} → one flat dict of every tensor to save: trainable weights, and the
     optimiser's state under `<name>.optim.`. Non-tensor optimiser entries (lr, betas …) come from the config."""
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                         StateDictOptions)
 
     options = StateDictOptions(ignore_frozen_params=True, flatten_optimizer_state_dict=True)
     out = {}
@@ -224,8 +148,6 @@ def set_rng_state(state: dict) -> None:
 def save_training_state(path: str, models: dict, state: dict) -> None:
     """Write models' trainable weights and optimiser states (every process its shard), `state` (rank 0,
     plain data) and each process's RNG state into the folder `path`."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     dcp.save(_tensors(models), storage_writer=HuggingFaceStorageWriter(os.path.join(path, "tensors"),
@@ -239,10 +161,6 @@ def save_training_state(path: str, models: dict, state: dict) -> None:
 
 def load_training_state(path: str, models: dict) -> dict:
     """Restore what `save_training_state` wrote, on this run's process count; returns the plain-data state."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
-    from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict, set_model_state_dict,
-                                                         set_optimizer_state_dict, StateDictOptions)
 
     tensors = _tensors(models)  # the layout to fill, sharded as this run's models are
     dcp.load(tensors, storage_reader=HuggingFaceStorageReader(os.path.join(path, "tensors")))

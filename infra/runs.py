@@ -12,10 +12,11 @@ import socket
 import time
 
 import torch
+from accelerate.utils import broadcast_object_list
 
-import cli
-from config import ConfigError
-from distributed import load_training_state, save_training_state
+from infra import cli
+from infra.config import ConfigError
+from infra.distributed import load_training_state, save_training_state
 
 
 def drop_metrics_after(path: str, step: int, moved_to: str = None) -> None:
@@ -69,7 +70,6 @@ def lock_output_dir(accelerator, output_dir: str, key: str):
     """Rank 0 holds an exclusive lock on <output_dir>/.lock for the run's life, so two runs never write one
     folder; a second run fails at once, on every rank, naming the holder. The kernel releases the lock when
     its process dies, so a killed run leaves none behind. Returns the open lock file: keep it."""
-    from accelerate.utils import broadcast_object_list
 
     lock, error = None, None
     if accelerator.is_main_process:
@@ -96,10 +96,10 @@ def lock_output_dir(accelerator, output_dir: str, key: str):
     return lock
 
 
-def start_run(accelerator, cfg, stage: str):
+def start_run(accelerator, cfg, stage: str, unused: frozenset = frozenset()):
     """Before any model loads (stage: "trainer" or "reward_model", the section with output_dir, resume and
     total_steps): lock the output folder, find the checkpoint to resume from, check this config against the one
-    it was trained with and print what changed. Returns (lock, checkpoint or None, finished), finished when
+    it was trained with (cli.resume_changes; `unused`: keys this run does not read) and print what changed. Returns (lock, checkpoint or None, finished), finished when
     that checkpoint is at total_steps and final/ exists: there is nothing to train."""
     section = getattr(cfg, stage)
     lock = lock_output_dir(accelerator, section.output_dir, f"{stage}.output_dir")
@@ -107,7 +107,7 @@ def start_run(accelerator, cfg, stage: str):
     if path is None:
         return lock, None, False
     saved = os.path.join(os.path.dirname(os.path.normpath(path)), "config.yaml")
-    changes = cli.resume_changes(cfg, saved) if os.path.exists(saved) else []
+    changes = cli.resume_changes(cfg, saved, unused) if os.path.exists(saved) else []
     if changes:
         accelerator.print(f"changed since {path}: " + ", ".join(changes))
     step = checkpoint_step(path)

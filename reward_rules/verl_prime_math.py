@@ -16,7 +16,7 @@ import re
 import signal
 import threading
 
-from verl_rules import closing_brace, last_box, strip_string
+from reward_rules.verl_rules import closing_brace, last_box, strip_string
 
 
 # ---- numina_* (prime_math/: PRM800K's grade_answer, then ToRA's math_equal)

@@ -1,0 +1,173 @@
+"""Every model the library builds, in one place: the actor (policy), the reference, the critic (value model) and the
+reward model's classifier, loaded from HF folders in fp32 (the master weights), with LoRA where asked and spread
+over the processes (infra/distributed.py); the tokenizer; the checks of a model folder before anything loads; and
+saving a model as an HF folder.
+
+    policy, ref, critic = load_models(cfg, accelerator, fsdp, layout, with_critic=True)      # ppo.py
+
+transformers and peft are imported inside the functions that use them: `--help` and a mistake in the config
+then answer in about 2 s, without their 3 s import.
+"""
+import os
+import re
+import shutil
+
+import torch
+
+from infra.batches import use_varlen_attention
+from infra.config import ConfigError
+from infra.distributed import describe, distribute
+
+
+def load_tokenizer(path: str, key: str = "model.path"):
+    """The tokenizer at `path` (a folder, or a hub id), with pad = EOS where it has no pad token. A hub id the hub
+    does not give (no network, or no such model) fails in one sentence naming `key`."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except OSError as e:
+        reason = str(e).splitlines()[0]
+        raise ConfigError(f"{key}: {path} is not a local folder, and the hub did not give it ({reason}); give a model "
+                          f"folder (the demo's: make prepare)") from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_policy(cfg_model):
+    """The actor: a causal LM in fp32 (master weights), with LoRA adapters when lora_rank > 0."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(cfg_model.path, dtype=torch.float32)
+    if cfg_model.gradient_checkpointing:
+        use_gradient_checkpointing(model)
+    if cfg_model.lora_rank > 0:
+        model = add_lora(model, cfg_model.lora_rank, cfg_model.lora_alpha, cfg_model, "CAUSAL_LM")
+        if cfg_model.gradient_checkpointing:
+            model.enable_input_require_grads()
+    return model
+
+
+def add_lora(model, rank: int, alpha: int, cfg_model, task_type: str):
+    """PEFT LoRA adapters of rank `rank` on model.target_modules of the top model.lora_top_layers decoder
+    layers (every layer when 0). task_type TOKEN_CLS (a critic) also trains the new value head whole."""
+    from peft import LoraConfig, get_peft_model
+
+    n_layers, top = model.config.get_text_config().num_hidden_layers, cfg_model.lora_top_layers
+    lora = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=cfg_model.lora_dropout, task_type=task_type,
+                      target_modules=list(cfg_model.target_modules),
+                      layers_to_transform=list(range(n_layers - top, n_layers)) if 0 < top < n_layers else None)
+    return get_peft_model(model, lora)
+
+
+def use_gradient_checkpointing(model) -> None:
+    """Keep only each decoder layer's input in the forward pass and recompute the rest in the backward.
+    transformers does so only while model.training: ppo.py switches models to train mode for updates."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def check_model_path(path: str, key: str, need: str = "model") -> None:
+    """Before anything loads: a local folder that is missing or holds no model (need="model": config.json or
+    adapter_config.json, and weights) or no tokenizer (need="tokenizer") fails in a sentence. A name that
+    reads as a hub id (org/name, where no folder `org` exists here) is left to the hub."""
+    hub_id = re.fullmatch(r"[\w-][\w.-]*(/[\w.-]+)?", path) and not os.path.isdir(path.split("/")[0])
+    if not os.path.isdir(path):
+        if hub_id and not os.path.exists(path):
+            return
+        raise ConfigError(f"{key}: {path} is not a folder; give a local model folder or a hub id (org/name)")
+    files = os.listdir(path)
+    if need == "tokenizer":
+        if not {"tokenizer.json", "tokenizer_config.json", "tokenizer.model"} & set(files):
+            raise ConfigError(f"{key}: {path} holds no tokenizer (tokenizer.json or tokenizer_config.json)")
+    elif not ({"config.json", "adapter_config.json"} & set(files) and any(f.endswith((".safetensors", ".bin"))
+                                                                          for f in files)):
+        raise ConfigError(f"{key}: {path} holds no model (config.json and *.safetensors weights); give the folder "
+                          f"a model was saved to")
+
+
+def check_model_folders(cfg_model, critic_path) -> None:
+    """Before anything loads: the policy's folder and its tokenizer, and the critic's backbone (None: no critic)."""
+    check_model_path(cfg_model.path, "model.path")
+    check_model_path(cfg_model.tokenizer_path or cfg_model.path,
+                     "model.tokenizer_path" if cfg_model.tokenizer_path else "model.path", need="tokenizer")
+    if critic_path is not None:
+        check_model_path(critic_path, "critic.model_path")
+
+
+def load_reference(path: str):
+    """The frozen reference policy (eval mode, no gradients)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
+
+
+def load_critic(path: str) -> torch.nn.Module:
+    """A token-level value model (fp32 weights) from a policy or reward-model folder: a causal-LM backbone with a
+    scalar head on every token (`AutoModelForTokenClassification`, num_labels=1, as verl). From a policy the head
+    starts random; from a reward model (reward_model.py's `AutoModelForSequenceClassification`, whose head is also
+    called `score`) it starts as the reward model's head, so values begin on the scale of the scores."""
+    import transformers
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    config = AutoConfig.from_pretrained(path, num_labels=1)
+    config.classifier_dropout = 0.0  # dropout would make values differ between rollout and update
+    # From a policy, transformers reports lm_head as unused and the head as new: expected, so quiet.
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch.float32)
+    transformers.logging.set_verbosity(verbosity)
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = model.config.eos_token_id
+    return model
+
+
+def load_reward_classifier(path: str, pad_id: int, lora=None):
+    """A 1-output sequence classifier (from a backbone: a fresh `score` head) in fp32, the master weights; with
+    `lora` (the reward_model config, lora_rank > 0), LoRA adapters, the `score` head trained in full.
+    reward_model.RewardModel reads it at the last real token."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, pad_token_id=pad_id,
+                                                               dtype=torch.float32)
+    if lora is not None and lora.lora_rank > 0:
+        model = add_lora(model, lora.lora_rank, lora.lora_alpha, lora, "SEQ_CLS")  # SEQ_CLS: `score` saved too
+    return model
+
+
+def load_models(cfg, accelerator, fsdp, layout: str, with_critic: bool):
+    """ppo.py's models: the actor, the frozen reference (None without a KL term, or with LoRA: the actor with its
+    adapter disabled is the reference) and the critic (None unless with_critic), each sharded under FSDP2, else
+    replicated (distributed.distribute)."""
+    policy = distribute(load_policy(cfg.model), accelerator, fsdp, trainable=True)
+    ref = critic = None
+    if (cfg.algorithm.use_kl_in_reward or cfg.algorithm.use_kl_loss) and cfg.model.lora_rank == 0:
+        ref = distribute(load_reference(cfg.model.path), accelerator, fsdp, trainable=False)
+    if with_critic:
+        critic = load_critic(cfg.critic.model_path or cfg.model.path)
+        if cfg.critic.lora_rank > 0:
+            critic = add_lora(critic, cfg.critic.lora_rank, cfg.critic.lora_alpha, cfg.model, "TOKEN_CLS")
+        if cfg.model.gradient_checkpointing:
+            use_gradient_checkpointing(critic)
+        critic = distribute(critic, accelerator, fsdp, trainable=True)
+    named = [(name, m) for name, m in (("policy", policy), ("critic", critic), ("reference", ref)) if m is not None]
+    accelerator.print(describe(fsdp, accelerator, [name for name, _ in named]))
+    if layout == "packed":  # attention within each prompt / prompt+response group of the packed row
+        for _, model in named:
+            use_varlen_attention(accelerator.unwrap_model(model))
+    return policy, ref, critic
+
+
+def save_pretrained_atomic(model, tokenizer, path: str, state_dict=None) -> None:
+    """The model in HF format (a LoRA model writes adapter_model.safetensors + adapter_config.json).
+
+    `state_dict`: the full weights when the model is sharded (accelerator.get_state_dict)."""
+    for adapter in getattr(model, "peft_config", {}).values():  # a local base as an absolute path: the adapter
+        if os.path.isdir(adapter.base_model_name_or_path or ""):  # then loads from any directory (issue 13)
+            adapter.base_model_name_or_path = os.path.abspath(adapter.base_model_name_or_path)
+    tmp = path + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, state_dict=state_dict)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)

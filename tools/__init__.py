@@ -1,0 +1,1 @@
+"""Commands around a run: prepare the demo model, merge or export an adapter, plot curves, regenerate configs.yaml."""
