@@ -75,7 +75,11 @@ def _coerce(value, tp, key: str):
     raise ConfigError(f"config key `{key}` has an unsupported type {tp}")
 
 
-def _build(cls, values: dict, prefix: str, root):
+def _build(cls, values: dict, prefix: str, root, default=None):
+    """`values` over `default` (an instance of cls; None: cls's own defaults). A section keeps the defaults its parent
+    gave it (ActorConfig's optim has lr_scheduler="constant", OptimConfig's own default is "cosine"), however few
+    of its keys a file or an override sets."""
+    default = cls() if default is None else default
     if not isinstance(values, dict):
         raise ConfigError(f"config section `{prefix.rstrip('.') or '(top)'}` must be a mapping, got {values!r}")
     hints = typing.get_type_hints(cls)
@@ -86,10 +90,10 @@ def _build(cls, values: dict, prefix: str, root):
             raise _unknown(prefix + name, root)
         tp = hints[name]
         if dataclasses.is_dataclass(tp):
-            kwargs[name] = _build(tp, {} if value is None else value, prefix + name + ".", root)
+            kwargs[name] = _build(tp, {} if value is None else value, prefix + name + ".", root, getattr(default, name))
         else:
             kwargs[name] = _coerce(value, tp, prefix + name)
-    return cls(**kwargs)
+    return dataclasses.replace(default, **kwargs)
 
 
 def _set_dotted(tree: dict, key: str, value: str, root):

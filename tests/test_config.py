@@ -177,3 +177,15 @@ def test_resume_changes_list_free_keys_and_refuse_fixed_ones(tmp_path):
     with pytest.raises(config.ConfigError, match=r"`reward_model.lora_rank` cannot change on resume \(it was 16"):
         cli.resume_changes(cli.load_config(None, ["reward_model.lora_rank=4"], root=config.RewardModelStage),
                            str(rm_saved))
+
+
+def test_a_section_keeps_its_parents_defaults_when_one_key_is_set(tmp_path):
+    """actor.optim's default schedule is constant (ActorConfig's default_factory), OptimConfig's own is cosine: an
+    override of actor.optim.lr, alone or in a file that sets nothing else, keeps the actor's constant schedule."""
+    assert cli.load_config(None, ["actor.optim.lr=1e-3"]).actor.optim.lr_scheduler == "constant"
+    small = tmp_path / "small.yaml"
+    small.write_text("actor:\n  optim:\n    lr: 0.001\n")
+    cfg = cli.load_config(str(small))
+    assert (cfg.actor.optim.lr, cfg.actor.optim.lr_scheduler) == (0.001, "constant")
+    assert cfg.critic.optim.warmup_ratio == 0.0
+    assert cli.load_config(str(small)).critic.optim == config.Config().critic.optim
