@@ -60,6 +60,24 @@ class DataConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    enable: bool = False
+    """multi-turn rollouts (agent.py): a response is up to max_turns assistant turns, with the answers of the tools
+    the model called between them (response_mask 0 on those tokens)"""
+    max_turns: int = 2
+    """most assistant turns per response; a turn ends at EOS, and the calls written in it are run before the next"""
+    tools: list[str] = field(default_factory=list)
+    """the tools, each path/to/file.py:function; the model calls a tool by the function's name"""
+    format: str = "hermes"
+    """how a call is written, a name in agent.PARSERS: hermes (<tool_call>{"name": …, "arguments": {…}}</tool_call>,
+    as Qwen2.5 and verl) or tag (<name>text</name>: the function gets the text)"""
+    tool_timeout: float = 5.0
+    """seconds a tool call may take; a slower one is answered with an error (its thread is left behind)"""
+    max_tool_response_length: int = 256
+    """characters of a tool's answer the model sees (verl's key); the rest is cut and marked ...(truncated)"""
+
+
+@dataclass
 class RolloutConfig:
     name: Literal["vllm", "hf"] = "vllm"
     """generation backend; falls back to hf (with a warning) where vLLM cannot be imported"""
@@ -72,7 +90,7 @@ class RolloutConfig:
     top_k: int = -1
     """sample among the k likeliest tokens (-1 = off)"""
     max_response_length: int = 16
-    """most new tokens per response"""
+    """most tokens per response (multi-turn: every turn and tool answer of it together)"""
     val_temperature: float = 0.0
     """temperature for validation (0 = greedy)"""
     gpu_memory_utilization: float = 0.2
@@ -89,6 +107,8 @@ class RolloutConfig:
     """keep generating past EOS to max_response_length (fixed-length responses, for benchmarks)"""
     vllm_log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "WARNING"
     """vLLM's own logging (INFO prints its engine set-up); the environment's VLLM_LOGGING_LEVEL wins when set"""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """tool calls between assistant turns (agent.py)"""
 
 
 @dataclass
@@ -207,9 +227,45 @@ class CriticConfig:
 
 
 @dataclass
+class JudgeConfig:
+    base_url: Optional[str] = None
+    """the judge's OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000/v1 (vLLM's server); asked before any model
+    loads"""
+    model: Optional[str] = None
+    """the model to ask there; null = the one the endpoint serves"""
+    api_key_env: str = "OPENAI_API_KEY"
+    """environment variable holding the endpoint's API key (a local vLLM server needs none), so no key is saved
+    in the run's config.yaml"""
+    prompt_template: Optional[str] = None
+    """text file with the judge's prompt; {prompt}, {response} and {ground_truth} in it are replaced"""
+    parser: str = "number"
+    """how an answer becomes a score, a name in judge.PARSERS: number (its last number, in [min_score, max_score],
+    scaled to [0, 1]) or yes_no (its last yes or no: 1 or 0)"""
+    min_score: float = 0.0
+    """number parser: the lowest score the prompt asks for"""
+    max_score: float = 10.0
+    """number parser: the highest score the prompt asks for"""
+    max_tokens: int = 64
+    """longest answer of the judge, in tokens"""
+    temperature: float = 0.0
+    """the judge's sampling temperature"""
+    max_concurrency: int = 8
+    """requests in flight at once"""
+    timeout: float = 30.0
+    """seconds one request may take before it is retried"""
+    max_retries: int = 2
+    """retries of a request that timed out, could not connect or got a 429/5xx, after backoff, 2·backoff, … s"""
+    backoff: float = 1.0
+    """seconds before the first retry"""
+    weight: float = 1.0
+    """weight of the judge's score when type=rule+judge"""
+
+
+@dataclass
 class RewardConfig:
-    type: Literal["rule", "model", "both"] = "rule"
-    """score with rule functions, a reward model, or a weighted sum of both"""
+    type: Literal["rule", "model", "both", "judge", "rule+judge"] = "rule"
+    """score with rule functions, a reward model, a weighted sum of both, an LLM judge (judge.py), or the rule
+    and the judge weighted"""
     function: Optional[str] = None
     """custom rule: path/to/file.py:name with verl's compute_score signature; null = built-ins by data_source"""
     model_path: Optional[str] = None
@@ -226,6 +282,8 @@ class RewardConfig:
     """sequences per reward-model forward"""
     overlong_penalty: float = 0.0
     """added to the score of a response that hit max_response_length without EOS"""
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    """the LLM judge (reward.type=judge or rule+judge)"""
 
 
 @dataclass
@@ -365,14 +423,14 @@ RANGES = {
     "[1, inf)": "n train_batch_size max_prompt_length max_response_length micro_batch_size ppo_epochs "
                 "ppo_mini_batch_size ppo_micro_batch_size_per_device log_prob_micro_batch_size_per_device "
                 "max_token_len_per_device horizon total_steps max_kl_window batch_size micro_batch_size_per_device "
-                "max_length lora_alpha",
-    "(0, inf)": "lr target_kl max_grad_norm rollout_is_threshold clip",
+                "max_length lora_alpha max_turns max_tool_response_length max_tokens max_concurrency",
+    "(0, inf)": "lr target_kl max_grad_norm rollout_is_threshold clip tool_timeout timeout",
     "(0, 1]": "top_p gpu_memory_utilization",
     "[0, 1]": "gamma lam warmup_ratio min_lr_ratio",
     "[0, 1)": "lora_dropout betas clip_ratio_low",
     "(1, inf)": "clip_ratio_c",
     "[-1, inf)": "top_k",
-    "(-inf, inf)": "rule_weight model_weight overlong_penalty",
+    "(-inf, inf)": "rule_weight model_weight overlong_penalty min_score max_score weight",
 }
 RANGE_OF = {name: interval for interval, names in RANGES.items() for name in names.split()}
 
