@@ -5,6 +5,8 @@ Both backends return the same `Rollout`, row `i·n + j` holding sample j of prom
                               infra.models.load_tokenizer, which makes EOS the pad where there is none)
     response_mask  (B·n, Tr)  1 = a real response token (the EOS included), 0 = padding
     logprobs       (B·n, Tr)  the sampler's log-probabilities, or None where the backend has none
+and, from multi-turn rollouts (agent.py, which wraps these backends), an attention mask (1 on the tool answers too,
+where response_mask is 0), each sample's conversation and agent/* metrics.
 
 `ppo.py` calls `make_rollout(...)` once, then `generate(...)` every step and `sync_weights(...)`
 after every optimiser step that changed the policy. vLLM is imported only when its backend is made (it is optional,
@@ -14,7 +16,7 @@ import logging
 import os
 import random
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -26,8 +28,12 @@ from infra.batches import autocast_dtype
 @dataclass
 class Rollout:
     responses: torch.Tensor  # (B·n, Tr)
-    response_mask: torch.Tensor  # (B·n, Tr)
+    response_mask: torch.Tensor  # (B·n, Tr) 1 = a token the policy sampled
     logprobs: Optional[torch.Tensor] = None  # (B·n, Tr)
+    attention_mask: Optional[torch.Tensor] = None  # (B·n, Tr) 1 = any real token, tool answers included; None: as
+    #                                                response_mask (one turn)
+    conversations: Optional[list[dict]] = None  # per row: turns, tool_calls, tool_results, num_turns (agent.py)
+    metrics: dict = field(default_factory=dict)  # agent/* (agent.py)
 
 
 def right_pad(seqs: list[list], pad, dtype=torch.long) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,14 +90,17 @@ class HFRollout:
         self.synced_gpus = synced_gpus  # FSDP: every rank must run the same number of forwards
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], n: int, temperature: float, seed: Optional[int] = None) -> Rollout:
+    def generate(self, prompts: list[list[int]], n: int, temperature: float, seed: Optional[int] = None,
+                 max_tokens: Optional[list[int]] = None) -> Rollout:
+        """max_tokens: each prompt's budget (agent.py's later turns); rollout.max_response_length when None."""
         cfg, device = self.cfg, next(self.model.parameters()).device
         seqs = [p for p in prompts for _ in range(n)]
+        budgets = [b for b in max_tokens or [cfg.max_response_length] * len(prompts) for _ in range(n)]  # per row
         greedy = temperature == 0
-        kwargs = dict(max_new_tokens=cfg.max_response_length, do_sample=not greedy,
+        kwargs = dict(max_new_tokens=max(budgets), do_sample=not greedy,
                       pad_token_id=self.pad_id, eos_token_id=sorted(self.eos_ids), synced_gpus=self.synced_gpus)
         if cfg.ignore_eos:
-            kwargs.update(min_new_tokens=cfg.max_response_length)
+            kwargs.update(min_new_tokens=max(budgets))
         if not greedy:
             kwargs.update(temperature=temperature, top_p=cfg.top_p, top_k=cfg.top_k if cfg.top_k > 0 else None)
         autocast = (torch.autocast(device.type, dtype=self.autocast_dtype) if self.autocast_dtype
@@ -104,7 +113,8 @@ class HFRollout:
             with autocast:
                 out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)
             new = out[:, ids.shape[1]:].tolist()
-            responses += new if cfg.ignore_eos else [cut_at_eos(row, self.eos_ids) for row in new]
+            new = new if cfg.ignore_eos else [cut_at_eos(row, self.eos_ids) for row in new]
+            responses += [row[:budget] for row, budget in zip(new, budgets[start:])]
         self.model.train(was_training)
         responses, response_mask = right_pad(responses, self.pad_id)  # (B·n, Tr) each
         return Rollout(responses, response_mask, None)
@@ -197,7 +207,9 @@ class VLLMRollout:
         self.sync_weights(model)
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], n: int, temperature: float, seed: Optional[int] = None) -> Rollout:
+    def generate(self, prompts: list[list[int]], n: int, temperature: float, seed: Optional[int] = None,
+                 max_tokens: Optional[list[int]] = None) -> Rollout:
+        """max_tokens: each prompt's budget (agent.py's later turns); rollout.max_response_length when None."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -210,11 +222,12 @@ class VLLMRollout:
         # the same call return the same samples, and ranks draw different ones.
         rng = random.Random(f"{seed}/{self.rank}")
         params = [SamplingParams(n=1 if greedy else n, temperature=temperature, top_p=cfg.top_p,
-                                 top_k=max(cfg.top_k, 0), max_tokens=cfg.max_response_length,
+                                 top_k=max(cfg.top_k, 0), max_tokens=budget,
                                  stop_token_ids=sorted(self.eos_ids), detokenize=False,
-                                 min_tokens=cfg.max_response_length if cfg.ignore_eos else 0,  # as HF's
+                                 min_tokens=budget if cfg.ignore_eos else 0,  # as HF's
                                  logprobs=0,  # the sampled token's logprob, no alternatives
-                                 seed=None if seed is None else rng.randrange(2**31)) for _ in prompts]
+                                 seed=None if seed is None else rng.randrange(2**31))
+                  for budget in max_tokens or [cfg.max_response_length] * len(prompts)]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         responses, logprobs = [], []
         for out in outputs:  # in prompt order; row i·n + j = sample j of prompt i

@@ -144,13 +144,20 @@ def batch_layout(cfg_model, sharded: bool) -> str:
     return "padded"
 
 
+def response_tokens(mb: dict):
+    """(B, Tr) 1 on every response token a forward attends to: with multi-turn rollouts (agent.py) the model's
+    turns and the tool answers between them (`response_attention_mask`), else the response_mask's tokens. The
+    losses still read response_mask, 0 on tool answers."""
+    return mb.get("response_attention_mask", mb["response_mask"])
+
+
 def model_inputs(mb: dict):
     """The padded forward's inputs: left-padded queries + right-padded responses, (B, Tq+Tr).
 
     Positions restart after the left padding. The state before response token t ends at position
     Tq + t − 1, so the last Tr + 1 outputs minus the final one predict the response.
     """
-    token_mask = torch.cat([mb["query_mask"], mb["response_mask"]], dim=1)  # (B, Tq+Tr)
+    token_mask = torch.cat([mb["query_mask"], response_tokens(mb)], dim=1)  # (B, Tq+Tr)
     position_ids = (token_mask.cumsum(1) - 1).clamp(min=0)
     return dict(input_ids=torch.cat([mb["queries"], mb["responses"]], dim=1), attention_mask=token_mask,
                 position_ids=position_ids)
@@ -185,16 +192,16 @@ def packed_inputs(mb: dict):
     attention module, e.g. LlamaAttention.forward in models/llama/modeling_llama.py), whose call of the
     registered attention function (`varlen_sdpa`) passes them on.
     """
-    response_mask = mb["response_mask"].bool()
+    real = response_tokens(mb).bool()  # (B, Tr) the row holds tool answers too
     prompt_ids, prompt_mask, row_of = distinct_prompts(mb)  # (U, Tq), (U, Tq), (B,)
     prompt_mask = prompt_mask.bool()
-    Lq, Lr = prompt_mask.sum(1), response_mask.sum(1)  # (U,), (B,) real lengths
+    Lq, Lr = prompt_mask.sum(1), real.sum(1)  # (U,), (B,) real lengths
     prompt_start = torch.cumsum(Lq, 0) - Lq  # (U,) where each prompt begins in the row
     response_start = Lq.sum() + torch.cumsum(Lr, 0) - Lr  # (B,)
     Lq_b, start_q_b = Lq[row_of], prompt_start[row_of]  # (B,) each response's prompt
     arange = functools.partial(torch.arange, device=Lq.device)
-    Tr = response_mask.shape[1]
-    position_ids = torch.cat([(prompt_mask.cumsum(1) - 1)[prompt_mask], (Lq_b[:, None] + arange(Tr))[response_mask]])
+    Tr = real.shape[1]
+    position_ids = torch.cat([(prompt_mask.cumsum(1) - 1)[prompt_mask], (Lq_b[:, None] + arange(Tr))[real]])
 
     # groups: U prompts, then B responses; query slot i of group g sits at key slot offset[g] + i
     Wq, Wk = int(max(Lq.max(), Lr.max())), int(max(Lq.max(), (Lq_b + Lr).max()))
@@ -212,10 +219,10 @@ def packed_inputs(mb: dict):
 
     before = response_start[:, None] + arange(Tr) - 1  # (B, Tr): response token t − 1 …
     before[:, 0] = start_q_b + Lq_b - 1  # … and for t = 0 the prompt's last token
-    inputs = dict(input_ids=torch.cat([prompt_ids[prompt_mask], mb["responses"][response_mask]])[None],
+    inputs = dict(input_ids=torch.cat([prompt_ids[prompt_mask], mb["responses"][real]])[None],
                   position_ids=position_ids[None], attention_mask=None,
                   packed_attention=dict(q_index=q_index, k_index=k_index, mask=mask, q_valid=q_valid))
-    return inputs, before[response_mask]
+    return inputs, before[real]
 
 
 def unpacked(values, mask):
@@ -235,7 +242,7 @@ def micro_batch(batch: dict, inds, device):
     """Rows `inds` of the batch, with columns that are padding in every row cut away."""
     mb = {k: v[inds] for k, v in batch.items()}
     q_keep = mb["query_mask"].any(0).nonzero()[0, 0]  # first column any query uses
-    r_keep = int(mb["response_mask"].any(0).nonzero()[-1, 0]) + 1  # last column any response uses
+    r_keep = int(response_tokens(mb).any(0).nonzero()[-1, 0]) + 1  # last column any response uses
     for k, v in mb.items():
         if k in ("queries", "query_mask"):
             mb[k] = v[:, q_keep:]
@@ -277,14 +284,14 @@ def shared_prompt_logits(model, mb, **prompt_kwargs):
         min=0), past_key_values=cache, use_cache=True, **prompt_kwargs).logits[:, -1:]  # (U, 1, ·)
     cache.reorder_cache(row_of)  # (U, …) → (B, …): each row gets its prompt's keys and values
     positions = query_mask.sum(1, keepdim=True) + torch.arange(responses.shape[1], device=responses.device)
-    out = model(input_ids=responses, attention_mask=torch.cat([query_mask, mb["response_mask"]], 1),
+    out = model(input_ids=responses, attention_mask=torch.cat([query_mask, response_tokens(mb)], 1),
                 position_ids=positions, past_key_values=cache, use_cache=True)
     return torch.cat([prompt[row_of], out.logits[:, :-1]], dim=1)  # (B, 1 + Tr − 1, ·)
 
 
 def forward_logprobs(model, mb, temperature: float, dtype, with_entropy: bool, layout: str = "padded"):
     """log π(response token t | prefix) and the entropy at each response position, (B, Tr) each (batch_layout)."""
-    Tr, mask = mb["responses"].shape[1], mb["response_mask"].bool()
+    Tr, mask = mb["responses"].shape[1], response_tokens(mb).bool()
     keep = None
     with autocast(mb["responses"].device, dtype):
         if layout == "shared":
@@ -308,7 +315,7 @@ def forward_values(critic, mb, dtype, layout: str = "padded"):
         with autocast(mb["responses"].device, dtype):
             return shared_prompt_logits(critic, mb)[..., 0].float()
     inputs, keep = packed_inputs(mb) if layout == "packed" else (model_inputs(mb), None)
-    Tr, mask = mb["responses"].shape[1], mb["response_mask"].bool()
+    Tr, mask = mb["responses"].shape[1], response_tokens(mb).bool()
     with autocast(inputs["input_ids"].device, dtype):
         values = critic(**inputs, use_cache=False).logits[..., 0].float()  # (B, Tq+Tr) or (1, N)
     if keep is None:
