@@ -25,6 +25,7 @@ from accelerate.utils import gather_object
 from infra.config import ConfigError
 from infra.metrics import sum_over_processes
 from infra.models import check_model_path
+from judge import check_judge, Judge
 from reward_rules import verl_prime_math, verl_rules
 from reward_rules.library import arithmetic_score, boxed_score, gsm8k_score
 from reward_model import RewardModelScorer
@@ -73,8 +74,8 @@ def default_compute_score(data_source, solution_str, ground_truth, extra_info=No
 
 def check_data_sources(sources, reward_cfg) -> None:
     """At start-up: a ConfigError naming every data_source no rule scores. A custom reward.function handles every
-    source, reward.type=model needs none, the built-ins handle those in BUILTIN_SCORES and aime*."""
-    if reward_cfg.type == "model" or reward_cfg.function:
+    source, reward.type=model or judge needs none, the built-ins handle those in BUILTIN_SCORES and aime*."""
+    if reward_cfg.type in ("model", "judge") or reward_cfg.function:
         return
     missing = sorted({s for s in sources if rule_for(s) is None}, key=str)
     if missing:
@@ -85,14 +86,16 @@ def check_data_sources(sources, reward_cfg) -> None:
 
 
 def check_reward_inputs(cfg_reward) -> None:
-    """Before any model loads: the reward model folder and the reward function the run will use."""
+    """Before any model loads: the reward model folder, the reward function and the judge the run will use."""
     if cfg_reward.type in ("model", "both"):
         if not cfg_reward.model_path:
             raise ConfigError(f"reward.type={cfg_reward.type} needs reward.model_path (the final/ folder "
                               f"written by reward_model.py)")
         check_model_path(cfg_reward.model_path, "reward.model_path")
-    if cfg_reward.type in ("rule", "both"):
+    if cfg_reward.type in ("rule", "both", "rule+judge"):
         load_reward_function(cfg_reward.function)
+    if cfg_reward.type in ("judge", "rule+judge"):
+        check_judge(cfg_reward.judge)
 
 
 def load_reward_function(spec):
@@ -170,10 +173,13 @@ def score_responses(compute_score, rows: list[dict], responses: list[str]) -> tu
     """
     if len(rows) != len(responses):
         raise ValueError(f"score_responses got {len(rows)} rows but {len(responses)} responses")
-    # extra_info gets what verl's reward loop adds (reward_loop/reward_manager/naive.py): num_turns = 2 (a prompt
-    # and one response, as its single-turn agent loop) and rollout_reward_scores = {} (no rollout-time scores here)
+    # extra_info gets what verl's reward loop adds (reward_loop/reward_manager/naive.py): num_turns, counted as its
+    # agent loops count (the prompt, each assistant turn, each round of tool answers: 2 for a prompt and one
+    # response), and rollout_reward_scores = {} (no rollout-time scores here); from a multi-turn rollout (agent.py)
+    # also the turns (the messages after the prompt), the tool_calls and their tool_results
     calls = [dict(data_source=row["data_source"], solution_str=response, ground_truth=row["ground_truth"],
-                  extra_info={**(row.get("extra_info") or {}), "num_turns": 2, "rollout_reward_scores": {}})
+                  extra_info={**(row.get("extra_info") or {}), **(row.get("conversation") or {"num_turns": 2}),
+                              "rollout_reward_scores": {}})
              for row, response in zip(rows, responses)]
     scores, extras, errors, first = [], {}, 0, None
     for result in call_all(compute_score, calls):
@@ -208,36 +214,53 @@ def score_on_every_process(scorer, rows: list[dict], texts: list[str], accelerat
 
 
 class Scorer:
-    """The task score of each response: a rule function, a reward model, or their weighted sum (reward.type)."""
+    """The task score of each response: a rule function, a reward model, an LLM judge (judge.py), or a weighted sum
+    of the rule and one of the others (reward.type)."""
 
     def __init__(self, cfg_reward, device, dtype):
-        self.cfg, self.rule_fn, self.model = cfg_reward, None, None
-        if cfg_reward.type in ("rule", "both"):
+        self.cfg, self.rule_fn, self.model, self.judge, self.task_rule = cfg_reward, None, None, None, None
+        self.judge_answers = []  # the judge's raw answer to each response of the last call, for the sample table
+        if cfg_reward.type in ("rule", "both", "rule+judge"):
             self.rule_fn = load_reward_function(cfg_reward.function)
         if cfg_reward.type in ("model", "both"):
             self.model = RewardModelScorer(cfg_reward.model_path, cfg_reward.micro_batch_size, cfg_reward.normalize,
                                            cfg_reward.clip, device, dtype)
-            # the task's rule on the same answers (val/rule_score/mean): does what the reward model likes score?
+        if cfg_reward.type in ("judge", "rule+judge"):
+            self.judge = Judge(cfg_reward.judge)
+        if cfg_reward.type != "rule":
+            # the task's rule on the same answers (val/rule_score/mean): does what the reward model or judge like score?
             self.task_rule = self.rule_fn or load_reward_function(cfg_reward.function)
 
     def __call__(self, rows: list[dict], texts: list[str]):
         """rows (with prompt, ground_truth, data_source, extra_info) and decoded responses → scores (B,), metrics."""
-        both, metrics, scores = self.cfg.type == "both", {}, torch.zeros(len(texts))
+        weighted, metrics, scores = self.cfg.type in ("both", "rule+judge"), {}, torch.zeros(len(texts))
         if self.rule_fn is not None:
             rule, extras, errors = score_responses(self.rule_fn, rows, texts)
-            scores += (self.cfg.rule_weight if both else 1.0) * torch.tensor(rule, dtype=torch.float32)
+            scores += (self.cfg.rule_weight if weighted else 1.0) * torch.tensor(rule, dtype=torch.float32)
             metrics["reward/errors"] = float(errors)
             metrics.update({f"reward/{k}": sum(v) / len(v) for k, v in extras.items() if v})
         if self.model is not None:
             model_scores = self.model.score([r["prompt"] for r in rows], texts).float().cpu()
-            scores += (self.cfg.model_weight if both else 1.0) * model_scores
+            scores += (self.cfg.model_weight if weighted else 1.0) * model_scores
             metrics["reward/model_score_mean"] = model_scores.mean().item()
+        if self.judge is not None:
+            judged = self.judge(rows, texts)
+            if judged.errors == len(texts):
+                raise RewardError(f"the judge failed on all {judged.errors} samples of a batch, so training would "
+                                  f"learn from zeros; the first error: {judged.first_error}")
+            if judged.errors:
+                warnings.warn(f"the judge failed on {judged.errors}/{len(texts)} samples (scored 0.0); first: "
+                              f"{judged.first_error}")
+            scores += (self.cfg.judge.weight if weighted else 1.0) * torch.tensor(judged.scores, dtype=torch.float32)
+            self.judge_answers = judged.answers
+            metrics.update({"reward/judge_errors": float(judged.errors),
+                            "reward/judge_score_mean": sum(judged.scores) / len(texts)})
         return scores, metrics
 
     def validation_metrics(self, rows: list[dict], texts: list[str], sources: list, accelerator) -> dict:
         """val/score/mean and val/<data_source>/score over the rows of every process (`sources`: every data_source
-        of the validation set) and, with a reward model, val/rule_score/mean: the task's rule on the same answers,
-        over the rows with a ground truth and a rule."""
+        of the validation set) and, with a reward model or a judge, val/rule_score/mean: the task's rule on the same
+        answers, over the rows with a ground truth and a rule."""
         scores, _ = score_on_every_process(self, rows, texts, accelerator)
         sums = torch.zeros(len(sources), 2)  # (sum of scores, count) per data_source
         for row, score in zip(rows, scores.tolist()):
@@ -245,7 +268,7 @@ class Scorer:
         sums = sum_over_processes(accelerator, sums)
         metrics = {"val/score/mean": (sums[:, 0].sum() / sums[:, 1].sum()).item()}
         metrics.update({f"val/{src}/score": (s / max(c, 1)).item() for src, (s, c) in zip(sources, sums)})
-        if self.model is not None:
+        if self.task_rule is not None:
             ruled = [(row, text) for row, text in zip(rows, texts)
                      if row["ground_truth"] is not None and (self.cfg.function or rule_for(row["data_source"]))]
             rule_scores, _, _ = score_responses(self.task_rule, [row for row, _ in ruled], [text for _, text in ruled])

@@ -88,12 +88,15 @@ def console_line(metrics: dict, keys: list) -> str:
 
 
 def sample_table(rows: list[tuple]) -> str:
-    """A plain-text table of (prompt, response, score) rows, newlines shown as ⏎."""
+    """A plain-text table of (prompt, response, score[, judge]) rows, newlines shown as ⏎; the judge's answers
+    (reward.type=judge) get a column when any row has one."""
     def clip(s, n):
         s = s.replace("\n", "⏎")
         return s if len(s) <= n else "…" + s[-(n - 1):]
-    lines = [f"{'prompt':<40} | {'response':<40} | score"]
-    lines += [f"{clip(p, 40):<40} | {clip(r, 40):<40} | {s:.3g}" for p, r, s in rows]
+    judged = any(len(row) > 3 and row[3] for row in rows)
+    lines = [f"{'prompt':<40} | {'response':<40} | score" + (" | judge" if judged else "")]
+    lines += [f"{clip(p, 40):<40} | {clip(r, 40):<40} | "
+              + (f"{s:<5.3g} | {clip(rest[0], 40)}" if judged else f"{s:.3g}") for p, r, s, *rest in rows]
     return "\n".join(lines)
 
 

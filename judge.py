@@ -1,0 +1,189 @@
+"""An LLM judge as the reward: each response is written into a prompt template and sent to a model behind an
+OpenAI-compatible endpoint (vLLM's server, or any other); its answer, parsed, is the score.
+
+    python -m vllm.entrypoints.openai.api_server --model models/SmolLM2-135M-Instruct --port 8000 &   # a local judge
+    accelerate launch ppo.py --config configs.yaml reward.type=judge reward.judge.base_url=http://127.0.0.1:8000/v1 \\
+        reward.judge.prompt_template=examples/judge_prompt.txt reward.judge.parser=yes_no
+
+reward.type=judge scores with the judge alone; reward.type=rule+judge adds reward.rule_weight·rule and
+reward.judge.weight·judge. Before any model loads, check_judge asks the endpoint which models it serves: one that
+does not answer, or does not serve reward.judge.model, stops the run in one sentence naming the key. While training,
+`max_concurrency` requests are in flight at once, each given `timeout` seconds, and one that timed out, could not
+connect or got a 429 or 5xx is retried `max_retries` times, after backoff, 2·backoff, … seconds. A sample whose
+request still fails, or whose answer does not parse, scores 0 and counts in reward/judge_errors; when that is every
+sample of a batch the run stops (rewards.Scorer raises RewardError), as for a failing reward function. The judge's
+raw answers are shown in the sample table.
+"""
+import asyncio
+import functools
+import os
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+from infra.config import ConfigError
+
+# ---------------------------------------------------------------------------------------
+# Answer → score
+
+NUMBER = re.compile(r"(?<![\d./])-?\d+(?:\.\d+)?")  # a whole number, not one after "/": "7/10" reads 7
+
+
+def parse_number(answer: str, low: float, high: float) -> float:
+    """(x − low) / (high − low), x the answer's last number ("Score: 7/10" → 7), which must lie in [low, high];
+    a ValueError otherwise."""
+    found = NUMBER.findall(answer)
+    if not found:
+        raise ValueError(f"no number in the judge's answer {answer[:200]!r}")
+    x = float(found[-1])
+    if not low <= x <= high:
+        raise ValueError(f"the judge's score {x:g} is outside [{low:g}, {high:g}] (answer {answer[:200]!r})")
+    return (x - low) / (high - low)
+
+
+def parse_yes_no(answer: str, low: float, high: float) -> float:
+    """1.0 when the answer's last word that is yes or no is yes, 0.0 when it is no; a ValueError when there is
+    neither. (low and high are the number parser's; unused.)"""
+    words = [w for w in re.findall(r"[a-z]+", answer.lower()) if w in ("yes", "no")]
+    if not words:
+        raise ValueError(f"neither yes nor no in the judge's answer {answer[:200]!r}")
+    return float(words[-1] == "yes")
+
+
+PARSERS = {"number": parse_number, "yes_no": parse_yes_no}  # reward.judge.parser → (answer, low, high) → score
+
+
+# ---------------------------------------------------------------------------------------
+# The prompt
+
+
+def read_template(path: Optional[str]) -> str:
+    """The text of reward.judge.prompt_template, which must show the judge the {response}."""
+    if not path:
+        raise ConfigError("reward.judge.prompt_template is not set: give a text file holding the judge's prompt, "
+                          "with {response} (and optionally {prompt}, {ground_truth}) in it")
+    if not os.path.isfile(path):
+        raise ConfigError(f"reward.judge.prompt_template: file {path} does not exist")
+    with open(path) as f:
+        template = f.read()
+    if "{response}" not in template:
+        raise ConfigError(f"reward.judge.prompt_template: {path} has no {{response}}, so the judge would never see "
+                          f"the response; put {{response}} where it goes")
+    return template
+
+
+def prompt_text(prompt) -> str:
+    """A row's prompt as the judge reads it: the text, or a chat's messages as "role: content" lines."""
+    if isinstance(prompt, str):
+        return prompt
+    return "\n".join(f"{m['role']}: {m['content']}" for m in prompt)
+
+
+def render(template: str, row: dict, response: str) -> str:
+    """The template with {prompt}, {response} and {ground_truth} replaced, in one pass (a response holding
+    "{prompt}" stays as it is; other braces, e.g. JSON, too)."""
+    values = {"prompt": prompt_text(row["prompt"]), "response": response,
+              "ground_truth": "" if row.get("ground_truth") is None else str(row["ground_truth"])}
+    return re.sub(r"\{(prompt|response|ground_truth)\}", lambda m: values[m.group(1)], template)
+
+
+# ---------------------------------------------------------------------------------------
+# The endpoint
+
+
+def api_key(cfg) -> str:
+    return os.environ.get(cfg.api_key_env) or "EMPTY"  # vLLM's server takes any key unless started with one
+
+
+def served_model(cfg) -> str:
+    """The model to ask: reward.judge.model, which the endpoint must serve, or (null) the only one it serves."""
+    import openai
+
+    with openai.OpenAI(base_url=cfg.base_url, api_key=api_key(cfg), timeout=min(cfg.timeout, 10.0),
+                       max_retries=0) as client:
+        try:
+            served = [m.id for m in client.models.list()]
+        except Exception as e:  # no server, not an OpenAI API, a refused key: one sentence, whichever it is
+            raise ConfigError(f"reward.judge.base_url={cfg.base_url}: no OpenAI-compatible server answers there "
+                              f"({type(e).__name__}: {e}); start one (python -m vllm.entrypoints.openai.api_server "
+                              f"--model MODEL --port 8000) or correct the key") from None
+    if cfg.model is None:
+        if len(served) != 1:
+            raise ConfigError(f"reward.judge.model is null but {cfg.base_url} serves {served}; name the one to ask")
+        return served[0]
+    if cfg.model not in served:
+        raise ConfigError(f"reward.judge.model={cfg.model!r} is not served at {cfg.base_url} (it serves {served})")
+    return cfg.model
+
+
+def check_judge(cfg) -> None:
+    """Before any model loads: the endpoint answers and serves the model, the template is there, the range is one."""
+    if not cfg.base_url:
+        raise ConfigError("reward.judge.base_url is not set: give the judge's OpenAI-compatible endpoint, e.g. "
+                          "http://127.0.0.1:8000/v1")
+    read_template(cfg.prompt_template)
+    if cfg.parser == "number" and not cfg.min_score < cfg.max_score:
+        raise ConfigError(f"reward.judge.min_score ({cfg.min_score}) must be below reward.judge.max_score "
+                          f"({cfg.max_score})")
+    served_model(cfg)
+
+
+# ---------------------------------------------------------------------------------------
+# Scoring a batch
+
+
+@dataclass(frozen=True)
+class Judged:
+    scores: list[float]  # in [0, 1] (PARSERS); 0.0 where the sample erred
+    answers: list[str]  # the judge's raw answers; "(no answer: <exception>)" where none came
+    errors: int  # samples whose request failed or whose answer did not parse
+    first_error: Optional[str]
+
+
+class Judge:
+    """reward.judge bound once: judge(rows, texts) → Judged, every request of the batch at once (bounded)."""
+
+    def __init__(self, cfg):
+        self.cfg, self.template, self.model = cfg, read_template(cfg.prompt_template), served_model(cfg)
+        self.parse = functools.partial(PARSERS[cfg.parser], low=cfg.min_score, high=cfg.max_score)
+
+    def __call__(self, rows: list[dict], texts: list[str]) -> Judged:
+        answers = asyncio.run(self.ask_all([render(self.template, row, text) for row, text in zip(rows, texts)]))
+        scores, raw, errors = [], [], []
+        for answer in answers:
+            raw.append(answer if isinstance(answer, str) else f"(no answer: {type(answer).__name__})")
+            try:
+                if isinstance(answer, BaseException):
+                    raise answer
+                scores.append(self.parse(answer))
+            except Exception as e:
+                scores.append(0.0)
+                errors.append(f"{type(e).__name__}: {e}")
+        return Judged(scores, raw, len(errors), errors[0] if errors else None)
+
+    async def ask_all(self, prompts: list[str]) -> list:
+        """Each prompt's answer, or the exception its last attempt raised; max_concurrency requests in flight."""
+        import openai
+
+        limit = asyncio.Semaphore(self.cfg.max_concurrency)
+        async with openai.AsyncOpenAI(base_url=self.cfg.base_url, api_key=api_key(self.cfg), timeout=self.cfg.timeout,
+                                      max_retries=0) as client:  # retries are ask's, with its backoff
+            return await asyncio.gather(*(self.ask(client, limit, p) for p in prompts), return_exceptions=True)
+
+    async def ask(self, client, limit: asyncio.Semaphore, prompt: str) -> str:
+        """One chat completion; after a timeout, a lost connection, a 429 or a 5xx it waits backoff·2^attempt
+        seconds (holding no slot) and tries again, max_retries times."""
+        import openai
+
+        retried = (openai.APIConnectionError, openai.RateLimitError, openai.InternalServerError)  # timeouts too
+        for attempt in range(self.cfg.max_retries + 1):
+            try:
+                async with limit:
+                    reply = await client.chat.completions.create(
+                        model=self.model, messages=[{"role": "user", "content": prompt}],
+                        max_tokens=self.cfg.max_tokens, temperature=self.cfg.temperature)
+                return reply.choices[0].message.content or ""
+            except retried:
+                if attempt == self.cfg.max_retries:
+                    raise
+            await asyncio.sleep(self.cfg.backoff * 2 ** attempt)
