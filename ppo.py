@@ -30,6 +30,7 @@ Shapes: B sequences on this process (prompts × n), Tq prompt length, Tr respons
 The batch, a dict of tensors with one row per sequence, filled step by step (micro_batch takes rows of it):
     queries, query_mask          (B, Tq)  2. the prompts, left-padded
     responses, response_mask     (B, Tr)  2. the responses, right-padded; mask 1 = a real token (EOS included)
+    response_attention_mask      (B, Tr)  2. multi-turn (agent.py): 1 on tool answers too, where response_mask is 0
     rollout_logprobs             (B, Tr)  2. the sampler's; absent where the rollout has none (rollout.name=hf)
     old_logprobs                 (B, Tr)  4. the policy's before the update; absent under departure 3
     ref_logprobs                 (B, Tr)  4. the reference's; absent without a KL term (reward or loss)
@@ -52,6 +53,8 @@ from accelerate.utils import extract_model_from_parallel as unwrap_model
 from tqdm import tqdm
 
 import advantages
+import agent
+import judge
 import kl
 from advantages import COMPARES_SAMPLES, masked_mean, NEEDS_CRITIC
 from critic import explained_variance, value_loss
@@ -68,7 +71,7 @@ from kl import KLController, kl_estimate, kl_penalty_rewards
 from losses import agg_loss, Clip, Counts, POLICY_LOSSES, rollout_is_weights
 from data import load_prompts
 from rewards import check_data_sources, check_reward_inputs, score_on_every_process, Scorer
-from rollout import cut_off, HFRollout, left_pad, make_rollout
+from rollout import cut_off, HFRollout, left_pad, make_rollout, Rollout
 
 CONSOLE_KEYS = ["score/mean", "reward/mean", "kl/mean", "policy/entropy", "policy/clipfrac", "loss/policy",
                 "loss/value", "value/explained_var", "response/length_mean", "val/score/mean", "val/rule_score/mean",
@@ -202,8 +205,11 @@ def next_prompts(state: TrainState, num_rows: int, batch_size: int, seed: int, s
     return inds
 
 
-def decode_responses(tokenizer, responses, response_mask) -> list[str]:
-    return tokenizer.batch_decode([r[m.bool()].tolist() for r, m in zip(responses, response_mask)],
+def decode_responses(tokenizer, ro: Rollout) -> list[str]:
+    """The text each response is scored on: its tokens, or with multi-turn its last assistant turn (agent.py)."""
+    if ro.conversations is not None:
+        return [c["turns"][-1]["content"] for c in ro.conversations]
+    return tokenizer.batch_decode([r[m.bool()].tolist() for r, m in zip(ro.responses, ro.response_mask)],
                                   skip_special_tokens=True)
 
 
@@ -212,9 +218,11 @@ def validate(cfg, rollout, tokenizer, scorer, val_rows, accelerator) -> dict:
     """One response per validation prompt (greedy by default), scored: Scorer.validation_metrics."""
     mine = val_rows[accelerator.process_index::accelerator.num_processes]
     ro = rollout.generate([r["prompt_ids"] for r in mine], n=1, temperature=cfg.rollout.val_temperature)
-    texts = decode_responses(tokenizer, ro.responses, ro.response_mask)
+    texts = decode_responses(tokenizer, ro)
     sources = sorted({r["data_source"] for r in val_rows})
-    return scorer.validation_metrics(mine, texts, sources, accelerator)
+    metrics = scorer.validation_metrics(agent.with_conversations(mine, ro), texts, sources, accelerator)
+    turn_metrics = reduce_metrics(accelerator, ro.metrics) if ro.metrics else {}  # agent/*: multi-turn only
+    return {**metrics, **{f"val/{k}": v for k, v in turn_metrics.items()}}
 
 
 @dataclass(frozen=True)
@@ -325,7 +333,9 @@ def check_names(cfg) -> None:
     for key, name, table in (("algorithm.adv_estimator", cfg.algorithm.adv_estimator, advantages.ESTIMATORS),
                              ("actor.policy_loss", cfg.actor.policy_loss, POLICY_LOSSES),
                              ("algorithm.kl_penalty", cfg.algorithm.kl_penalty, kl.ESTIMATORS),
-                             ("algorithm.kl_loss_type", cfg.algorithm.kl_loss_type, kl.ESTIMATORS)):
+                             ("algorithm.kl_loss_type", cfg.algorithm.kl_loss_type, kl.ESTIMATORS),
+                             ("rollout.multi_turn.format", cfg.rollout.multi_turn.format, agent.PARSERS),
+                             ("reward.judge.parser", cfg.reward.judge.parser, judge.PARSERS)):
         if name not in table:
             raise ConfigError(f"{key}={name!r} is not one of {', '.join(table)}")
 
@@ -354,6 +364,7 @@ def main(cfg: config.Config):
     train_rows, val_rows = load_prompts(cfg.data, tokenizer, print0)
     sizes = check_sizes(cfg, accelerator.num_processes, len(train_rows))
     check_data_sources({r["data_source"] for r in train_rows + val_rows}, cfg.reward)  # each has a rule
+    agent.check_multi_turn(cfg.rollout, tokenizer)  # multi-turn: the tools import, the template writes their answers
     n, B = cfg.rollout.n, sizes.batch
 
     # ---- models (infra/models.py builds them all): actor, reference, critic; optimisers after sharding
@@ -370,7 +381,8 @@ def main(cfg: config.Config):
     if critic is not None:
         checkpointed["critic"] = (critic, critic_opt)
     logger = resume(accelerator, cfg, resume_from, checkpointed, state)
-    rollout = make_rollout(cfg, policy, tokenizer, accelerator, dtype, synced_forwards=fsdp is not None)
+    engine = make_rollout(cfg, policy, tokenizer, accelerator, dtype, synced_forwards=fsdp is not None)
+    rollout = agent.with_tools(engine, cfg.rollout, tokenizer, accelerator)  # turns with tool calls, when enabled
     reduce_sum = functools.partial(sum_over_processes, accelerator)
     max_tokens = cfg.actor.max_token_len_per_device if cfg.actor.use_dynamic_bsz else 0  # 0: micro-batches by count
 
@@ -406,19 +418,23 @@ def main(cfg: config.Config):
                                   seed=step_seed(t.seed, step, accelerator.process_index))
         queries, query_mask = left_pad([r["prompt_ids"] for r in rows], tokenizer.pad_token_id)  # (B, Tq)
         responses, response_mask = ro.responses, ro.response_mask  # (B, Tr)
-        lengths = response_mask.sum(1)  # (B,) response tokens, the EOS included
+        lengths = (response_mask if ro.attention_mask is None else ro.attention_mask).sum(1)  # (B,) tool tokens too
         tok_lengths = (query_mask.sum(1) + lengths).tolist()  # (B,) real tokens: micro-batches by token budget
         batch = dict(queries=queries, query_mask=query_mask, responses=responses, response_mask=response_mask)
+        if ro.attention_mask is not None:
+            batch["response_attention_mask"] = ro.attention_mask  # (B, Tr)
+        rows = agent.with_conversations(rows, ro)  # the reward reads each conversation
         if ro.logprobs is not None:
             batch["rollout_logprobs"] = ro.logprobs  # (B, Tr) the sampler's
 
         # ---- 3. score: the task reward of each response
         with timed(times, "time/reward_s"):
-            texts = decode_responses(tokenizer, responses, response_mask)
+            texts = decode_responses(tokenizer, ro)
             scores, reward_metrics = score_on_every_process(scorer, rows, texts, accelerator)  # (B,)
+            judged = scorer.judge_answers or [""] * B  # the judge's raw answers (reward.type=judge), for the table
             truncated = cut_off(responses, lengths, cfg.rollout.max_response_length, rollout.eos_ids)  # (B,)
             scores = scores + cfg.reward.overlong_penalty * truncated.float()
-        metrics.update(reward_metrics)
+        metrics.update({**reward_metrics, **ro.metrics})
 
         # ---- 4. old/ref logprobs and values: no grad, micro-batched, in eval mode (set_train_mode says why)
         set_train_mode([policy, critic], False)
@@ -508,7 +524,8 @@ def main(cfg: config.Config):
         print0(f"step {step}  " + console_line(metrics, CONSOLE_KEYS))
         if t.sample_freq and step % t.sample_freq == 0:
             shown = list(range(0, B, max(1, B // t.num_samples_to_show)))[:t.num_samples_to_show]
-            print0(sample_table([(rows[i]["prompt_text"][-40:], texts[i], scores[i].item()) for i in shown]))
+            print0(sample_table([(rows[i]["prompt_text"][-40:], agent.transcript(rows[i], texts[i]), scores[i].item(),
+                                  judged[i]) for i in shown]))
 
         # ---- 10. checkpoint; SIGTERM (Slurm's preemption) or Ctrl-C ends the run here, and a rerun resumes
         signum = stop_signal.received(accelerator)
@@ -527,7 +544,7 @@ def main(cfg: config.Config):
     save_final(accelerator, policy, tokenizer, cfg)
     logger.close()
     accelerator.wait_for_everyone()
-    if isinstance(rollout, HFRollout):  # a vLLM engine destroys the process group itself at exit
+    if isinstance(engine, HFRollout):  # a vLLM engine destroys the process group itself at exit
         accelerator.end_training()
     return stop_reason
 
