@@ -2,6 +2,7 @@
 
     python data.py --task arithmetic --output data/arithmetic                 # the PPO demo
     python data.py --task arithmetic-preferences --output data/preferences    # the reward-model demo
+    python data.py --task arithmetic-tool --output data/arithmetic_tool       # the agent demo (agent.py)
     python data.py --input gsm8k_train.jsonl --output data/gsm8k --val-fraction 0.05 --seed 0
 
 `--output` is always a folder: train.parquet and val.parquet are written inside it.
@@ -276,6 +277,34 @@ def make_arithmetic_preferences(n: int, seed: int) -> list[dict]:
     return rows
 
 
+# ---- the agent demo: three-digit sums, a calculator tool (examples/calculator.py), one worked call in the prompt
+# SmolLM2-135M-Instruct gets such sums right in its head about once in ten. Shown one call, greedy, it calls the tool
+# on a third of them and copies the tool's answer (0.33 well-formed calls, 0.40 right on 100 prompts); shown two
+# calls it already calls on 0.94, which would leave nothing to learn.
+ARITHMETIC_TOOL_SYSTEM = "You have a calculator. To use it, write <calc>expression</calc>."
+ARITHMETIC_TOOL_SHOT = (123, 456)
+
+
+def arithmetic_tool_prompt(a: int, b: int) -> list[dict]:
+    """The chat asking for a + b: the calculator's instruction, one worked example (question, call, the tool's
+    answer, the reply), the question."""
+    x, y = ARITHMETIC_TOOL_SHOT
+    return [{"role": "system", "content": ARITHMETIC_TOOL_SYSTEM}, {"role": "user", "content": f"What is {x} + {y}?"},
+            {"role": "assistant", "content": f"<calc>{x} + {y}</calc>"}, {"role": "tool", "content": str(x + y)},
+            {"role": "assistant", "content": str(x + y)}, {"role": "user", "content": f"What is {a} + {b}?"}]
+
+
+def make_arithmetic_tool(n: int, seed: int) -> list[dict]:
+    """n prompts a + b, both from 100 to 999, scored by the strict `arithmetic` rule on the last turn."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        a, b = rng.randint(100, 999), rng.randint(100, 999)
+        rows.append({"prompt": arithmetic_tool_prompt(a, b), "ground_truth": str(a + b), "data_source": "arithmetic",
+                     "extra_info": {"index": i, "a": a, "b": b}})
+    return rows
+
+
 # ---- converting jsonl
 def split_hh(chosen: str, rejected: str) -> tuple[str, str, str]:
     """(prompt, chosen reply, rejected reply): the shared text up to its last "\\n\\nAssistant:" is the prompt."""
@@ -364,7 +393,8 @@ def write_split(train: list[dict], val: list[dict], folder: str) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", help="jsonl file to convert (kind detected from its rows)")
-    parser.add_argument("--task", choices=["arithmetic", "arithmetic-preferences"], help="generate the demo data")
+    parser.add_argument("--task", choices=["arithmetic", "arithmetic-preferences", "arithmetic-tool"],
+                        help="generate the demo data")
     parser.add_argument("--output", required=True, help="folder for train.parquet and val.parquet")
     parser.add_argument("--val-fraction", type=float, default=0.05, help="share of --input rows held out as val")
     parser.add_argument("--train-size", type=int, default=2000, help="--task rows in train.parquet")
@@ -377,7 +407,8 @@ def main(argv=None) -> None:
         parser.error(f"--output is a folder (train.parquet and val.parquet go inside), got {args.output}")
     try:
         if args.task:
-            make = make_arithmetic if args.task == "arithmetic" else make_arithmetic_preferences
+            make = {"arithmetic": make_arithmetic, "arithmetic-preferences": make_arithmetic_preferences,
+                    "arithmetic-tool": make_arithmetic_tool}[args.task]
             rows = make(args.train_size + args.val_size, args.seed)
             write_split(rows[:args.train_size], rows[args.train_size:], args.output)
         elif not os.path.isfile(args.input):
