@@ -7,7 +7,7 @@ STAMP := .venv/.install-stamp
 MODEL := models/SmolLM2-135M-Instruct/config.json
 DATA := data/arithmetic/train.parquet
 
-.PHONY: install run test prepare preferences reward-model rlhf
+.PHONY: install run test prepare preferences reward-model rlhf agent
 install: $(STAMP)
 
 # Re-runs only when the requirements or this Makefile change: a second `make install` installs nothing.
@@ -63,3 +63,13 @@ rlhf: reward-model $(DATA)
 	OMP_NUM_THREADS=$(THREADS) .venv/bin/accelerate launch --num_processes 1 ppo.py --config configs.yaml \
 		reward.type=model reward.model_path=outputs/reward_model/final reward.normalize=true \
 		trainer.output_dir=outputs/rlhf $(RLHF_ARGS)
+
+# The agent demo: three-digit sums with a calculator tool the model calls between turns (agent.py); the keys are in
+# examples/agent_calculator.yaml. Logs agent/well_formed_share (samples with a call that could run) and validation.
+AGENT_DATA := data/arithmetic_tool/train.parquet
+$(AGENT_DATA): data.py | $(STAMP)
+	$(PY) data.py --task arithmetic-tool --output data/arithmetic_tool
+
+agent: $(MODEL) $(AGENT_DATA)
+	OMP_NUM_THREADS=$(THREADS) .venv/bin/accelerate launch --num_processes 1 ppo.py \
+		--config examples/agent_calculator.yaml $(AGENT_ARGS)
