@@ -273,7 +273,7 @@ def test_a_judge_that_does_not_answer_stops_ppo_before_any_model_loads(workdir, 
 # vLLM's OpenAI server, on a tiny model taught to judge
 
 
-def fit_judge(model, tokenizer, examples, steps=200, lr=3e-3):
+def fit_judge(model, tokenizer, examples, steps=300, lr=1e-3):
     """Teach `model` to reply `label` (then EOS) to each (judge prompt, label), through the chat template."""
     seqs = []
     for prompt, label in examples:
