@@ -394,8 +394,8 @@ def forward_values(critic, mb, dtype, layout: str = "padded", trunk: int = 0):
             return shared_prompt_logits(critic, mb, trunk)[..., 0].float()
     inputs, keep = packed_inputs(mb) if layout == "packed" else (model_inputs(mb), None)
     Tr, mask = mb["responses"].shape[1], mb["response_mask"].bool()
-    with autocast(inputs["input_ids"].device, dtype), from_trunk(critic, trunk, trunk_hidden(mb, layout) if trunk
-                                                                 else None):
+    hidden = trunk_hidden(mb, layout) if trunk else None  # the trunk's output for this call, or the whole critic
+    with autocast(inputs["input_ids"].device, dtype), from_trunk(critic, trunk, hidden):
         values = critic(**inputs, use_cache=False).logits[..., 0].float()  # (B, Tq+Tr) or (1, N)
     if keep is None:
         return values[:, -Tr - 1:-1]

@@ -1,42 +1,38 @@
-"""One frozen trunk for actor, reference and critic (issue 25): the decoder layers below the adapters, run once per step.
+"""One frozen trunk for actor, reference and critic (issue 25): the layers below the adapters, run once a step.
 
-With LoRA on the top k of n decoder layers (model.lora_top_layers), layers 0 … L−1 (L = n − k) carry no adapter and no
-gradient, and the actor, the reference (the actor with its adapter disabled) and a critic built on the same base give
-the same hidden states there for the same tokens. So step 4 runs them once per sequence (`trunk_pass` in
-infra/batches.py: per micro-batch, without grad, in the step's layout) and every later forward of the step — reference,
-old logprobs, values, both updates — starts at layer L from those hidden states:
+With LoRA on the top k of n decoder layers (model.lora_top_layers), layers 0 … L−1 (L = n − k) carry no adapter and
+no gradient, and the actor, the reference (the actor with its adapter disabled) and a critic built on the same base
+give the same hidden states there for the same tokens. So step 4 runs them once per sequence (batches.trunk_states:
+per micro-batch, without grad, in the step's layout) and every later forward of the step — reference, old logprobs,
+values, both updates — starts at layer L from their output:
 
-    hidden = output of layer L − 1     trunk_prompt (B, Tq, H), trunk_response (B, Tr, H), fp32, on the CPU
-    a forward from the trunk           the model's own forward, with `Replay` in layer slots 0 … L−1
+    the trunk's output        trunk_prompt (B, Tq, H), trunk_response (B, Tr, H): fp32, in the step's batch (CPU)
+    a forward from the trunk  the model's own forward, with `Replay` in layer slots 0 … L−1 (from_trunk)
 
-`Replay` stands in for every trunk layer and returns the trunk's output, so layer L receives exactly what the whole
-forward would give it, and the model's own code still builds positions, rotary embeddings and masks from the same
-inputs (the top layers see the full forward's positions). The critic (models.load_critic with trunk layers) holds
-`Replay` in those slots for good, and no token embedding: it keeps only layers L … n−1, the final norm and its head.
+`Replay` stands in for every trunk layer and returns the trunk's output, so layer L receives what the whole forward
+would give it, and the model's own code still builds positions, rotary embeddings and masks from the same inputs: the
+top layers see the full forward's positions. The critic (models.load_critic with trunk layers) holds `Replay` in those
+slots for good, and no token embedding: only layers L … n−1, the final norm and its head.
 
-Why swap modules for one forward instead of copying the top layers into a second model: the actor must stay one
+Why swap modules for one call instead of copying the top layers into a second model: the actor must stay one
 transformers model (generation, weight sync to vLLM, final/, FSDP2's one root that gathers embeddings and head), and
-its top layers must be the ones being trained. The swap is undone when the forward returns, before any backward;
-gradient checkpointing recomputes a top layer from its saved input, never through the swapped slots.
+its top layers are the ones being trained. The swap is undone when the call returns, before any backward; gradient
+checkpointing recomputes a top layer from its saved input, never through the swapped slots. The trunk's own pass
+(trunk_only) runs layers 0 … L−1 by lowering the decoder's `config.num_hidden_layers` for one call (transformers'
+decoders loop over `self.layers[: self.config.num_hidden_layers]`) and leaves the module tree alone: under FSDP2 the
+first forward through a root registers the sharded layers it finds in the tree, and with vLLM sampling the actor's
+first forward is this one.
 
-The trunk's own pass runs layers 0 … L−1 only by lowering the decoder's `config.num_hidden_layers` for one call
-(transformers' decoders loop over `self.layers[: self.config.num_hidden_layers]`), without touching the module tree:
-under FSDP2 the first forward of a root registers every sharded layer it finds in the tree, and that forward may be
-this one (with vLLM, the training model's first forward is step 4's).
-
-Memory: the step's hidden states live on the CPU, H·4 bytes per token of the batch (SmolLM2-135M: 2.3 KB a token,
-32 sequences of ~70 tokens: 5 MB), and one micro-batch of them on the device during each forward; they are dropped with
-the step's batch. Sharing is off when nothing is frozen (a full fine-tune, or LoRA on every layer: lora_top_layers=0),
-and with model.share_trunk=false.
+Memory: the step's trunk output sits on the CPU, H·4 bytes per token of the batch (SmolLM2-135M: 2.3 KB a token; the
+main job's 32 sequences of ~70 tokens: ~5 MB), one micro-batch of it on the device during a forward, and it goes with
+the step's batch. Off when nothing is frozen (a full fine-tune, or LoRA on every layer: lora_top_layers=0 or ≥ n) and
+with model.share_trunk=false.
 """
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
-
-TRUNK_KEYS = ("trunk_prompt", "trunk_response")  # the batch's hidden states at the trunk's top (batches.PROMPT_KEYS)
-
 
 @dataclass(frozen=True)
 class Trunk:
@@ -72,8 +68,9 @@ def describe_trunk(trunk: Optional[Trunk]) -> Optional[str]:
     L, n = trunk.layers, trunk.n_layers
     critic = (f"; the critic holds only layers {L}–{n - 1}, the final norm and its value head" if trunk.critic else
               "; the critic runs its own layers (critic.model_path set, or critic.lora_rank=0)")
-    return (f"trunk: decoder layers 0–{L - 1} of {n} run once per step, without grad, for actor and reference"
-            f"{' and critic' if trunk.critic else ''}; their forwards start at layer {L} (model.share_trunk){critic}")
+    users = "actor, reference and critic" if trunk.critic else "actor and reference"
+    return (f"trunk: decoder layers 0–{L - 1} of {n} run once per step, without grad, for {users}; their forwards "
+            f"start at layer {L} (model.share_trunk){critic}")
 
 
 # ---------------------------------------------------------------------------------------

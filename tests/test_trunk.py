@@ -13,7 +13,7 @@ import types
 import pytest
 import torch
 
-from conftest import free_port, make_tiny_model, read_metrics, REPO
+from conftest import free_port, make_tiny_model, read_metrics
 from infra import batches
 from infra.batches import Forward, micro_batch, per_token_pass
 from infra.models import add_lora, load_critic, load_policy
@@ -216,7 +216,7 @@ def test_ppo_with_the_shared_trunk_logs_what_it_logs_without(workdir, tmp_path, 
     shared = ppo(workdir, tmp_path / "shared", *LAYOUTS[layout])
     ppo(workdir, tmp_path / "whole", *LAYOUTS[layout], "model.share_trunk=false")
     assert_same_metrics(tmp_path / "shared", tmp_path / "whole")
-    assert ("trunk: decoder layers 0–1 of 4 run once per step, without grad, for actor and reference and critic; "
+    assert ("trunk: decoder layers 0–1 of 4 run once per step, without grad, for actor, reference and critic; "
             "their forwards start at layer 2") in shared
     assert all("time/trunk_s" in m for m in read_metrics(tmp_path / "shared"))
     from safetensors import safe_open
