@@ -34,6 +34,7 @@ The batch, a dict of tensors with one row per sequence, filled step by step (mic
     old_logprobs                 (B, Tr)  4. the policy's before the update; absent under departure 3
     ref_logprobs                 (B, Tr)  4. the reference's; absent without a KL term (reward or loss)
     old_values                   (B, Tr)  4. the critic's; absent without a critic
+    trunk_prompt, trunk_response (B, Tq, H), (B, Tr, H)  4. the frozen trunk's output (infra/trunk.py); absent without
     advantages, returns          (B, Tr)  6. returns are the critic's targets
 """
 import functools
@@ -64,6 +65,7 @@ from infra.metrics import (check_loggers, console_line, MetricsLogger, plot_curv
 from infra.models import check_model_folders, load_models, load_tokenizer, save_pretrained_atomic
 from infra.optim import make_optimizer, restore_schedule, train_step
 from infra.runs import resume_or_start, save_checkpoint, start_run, StopSignal
+from infra.trunk import plan_trunk
 from kl import KLController, kl_estimate, kl_penalty_rewards
 from losses import agg_loss, Clip, Counts, POLICY_LOSSES, rollout_is_weights
 from data import load_prompts
@@ -357,8 +359,9 @@ def main(cfg: config.Config):
     n, B = cfg.rollout.n, sizes.batch
 
     # ---- models (infra/models.py builds them all): actor, reference, critic; optimisers after sharding
-    fwd = Forward(cfg.rollout.temperature or 1.0, dtype, batch_layout(cfg.model, sharded=fsdp is not None))
-    policy, ref, critic = load_models(cfg, accelerator, fsdp, fwd.layout, with_critic=needs_critic)
+    fwd = Forward(cfg.rollout.temperature or 1.0, dtype, batch_layout(cfg.model, sharded=fsdp is not None),
+                  plan_trunk(cfg, with_critic=needs_critic))  # the frozen layers below the adapters, or None
+    policy, ref, critic = load_models(cfg, accelerator, fsdp, fwd, with_critic=needs_critic)
     actor_opt, actor_sched = make_optimizer(policy, cfg.actor.optim, t.total_steps)
     critic_opt, critic_sched = make_optimizer(critic, cfg.critic.optim, t.total_steps) if critic else (None, None)
     scorer = Scorer(cfg.reward, device, dtype)  # a reward model is replicated: it only runs forward passes
@@ -424,6 +427,9 @@ def main(cfg: config.Config):
         set_train_mode([policy, critic], False)
         no_grad_pass = functools.partial(per_token_pass, batch=batch, max_tokens=max_tokens, lengths=tok_lengths,
                                          size=cfg.actor.log_prob_micro_batch_size_per_device, device=device)
+        if fwd.trunk is not None:  # issue 25: the frozen layers once per sequence; the forwards below start above them
+            with timed(times, "time/trunk_s"):
+                batch.update(no_grad_pass(lambda micro: fwd.trunk_states(policy, micro)))  # (B, Tq, H), (B, Tr, H)
         # departure 3: with one epoch of one mini-batch and no KL in the reward, ActorLoss takes old_logprobs from
         # the update's own forward instead
         if cfg.actor.ppo_epochs > 1 or sizes.num_mini > 1 or alg.use_kl_in_reward:

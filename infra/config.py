@@ -39,6 +39,10 @@ class ModelConfig(LoRAFields):
     share_prompt_prefix: bool = True
     """without packing: run each distinct prompt of a micro-batch once and let its n responses attend to
     its KV cache (policy, reference and critic forwards; not with gradient checkpointing or FSDP)"""
+    share_trunk: bool = True
+    """with LoRA on the top lora_top_layers layers only: run the frozen layers below them once per step, and start
+    the reference, old-logprob, value and update forwards above them; a critic on model.path with LoRA then holds
+    only those top layers and its head, not a second copy of the base (infra/trunk.py)"""
 
 
 @dataclass
