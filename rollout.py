@@ -172,7 +172,8 @@ class VLLMRollout:
         self.cfg, self.unwrap = cfg.rollout, unwrap
         self.pad_id = tokenizer.pad_token_id
         self.eos_ids = eos_ids_of(tokenizer, unwrap(model))
-        self.dtype = autocast_dtype(cfg.rollout.dtype) or torch.float32
+        dtype = cfg.model.dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype  # auto: as the trainer computes
+        self.dtype = autocast_dtype(dtype) or torch.float32
         self.sleeps = cfg.rollout.free_cache_engine and torch.cuda.is_available()
         max_len = cfg.data.max_prompt_length + cfg.rollout.max_response_length
         memory = dict(gpu_memory_utilization=cfg.rollout.gpu_memory_utilization)
