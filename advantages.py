@@ -10,8 +10,9 @@ else the estimator's own. Adding an estimator: write one such function below and
 to NEEDS_CRITIC or COMPARES_SAMPLES when it needs a critic or compares the samples of a prompt); the name is then a
 valid `algorithm.adv_estimator`, checked at start-up.
 
-Conventions: every result is 0 on padding and on gaps (response_mask 0 between real tokens: tool output in an
-agent's response, or tokens rejected by rollout correction), which GAE and REINFORCE++ step over as verl does; whitening divides by the biased standard deviation (as
+Conventions: every result is 0 on padding and on gaps (response_mask 0 between real tokens, as tool output inside an
+agent's response makes them), which GAE and REINFORCE++ step over as verl does; whitening divides by the biased
+standard deviation (as
 lm-human-preferences; verl's masked_whiten divides by the unbiased one, a factor √(N/(N−1)) apart, which
 tests/test_crosscheck.py makes explicit); a response's return is the sum of its token rewards for the estimators
 that compare samples (ppo.py, departure 5).

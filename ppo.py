@@ -2,6 +2,7 @@
 
     accelerate launch ppo.py --config configs.yaml                          # the demo, CPU or GPU
     accelerate launch ppo.py --config configs.yaml trainer.total_steps=20 algorithm.adv_estimator=grpo
+    accelerate launch ppo.py --config recipes/dapo.yaml                     # a recipe: its changes to the defaults
     accelerate launch --config_file accelerate_configs/ddp_cpu.yaml --num_processes 2 ppo.py --config configs.yaml
     accelerate launch --config_file accelerate_configs/fsdp2.yaml --num_processes 2 ppo.py --config configs.yaml
     python ppo.py --help                                                    # every config key
@@ -228,10 +229,11 @@ class Sampler:
         kept, metrics, rounds = [], defaultdict(list), 0  # kept: Samples of the prompts kept, one per round
         while rounds == 0 or (fg.enable and groups_short(kept, self.prompts, n, self.accelerator)):
             if rounds == fg.max_num_gen_batches:
+                short = groups_short(kept, self.prompts, n, self.accelerator)
                 raise ConfigError(f"algorithm.filter_groups: after {rounds} rounds of {self.cfg.data.train_batch_size} "
-                                  f"prompts a process still lacks {groups_short(kept, self.prompts, n, self.accelerator)}"
-                                  f" of its {self.prompts} prompts whose samples score differently (the data is too "
-                                  f"easy or too hard for this policy); raise algorithm.filter_groups.max_num_gen_batches")
+                                  f"prompts a process still lacks {short} of its {self.prompts} prompts whose samples "
+                                  f"score differently (the data is too easy or too hard for this policy); raise "
+                                  f"algorithm.filter_groups.max_num_gen_batches")
             # ---- 1. sample prompts: one global batch from a seeded permutation, this process's slice of it
             inds = state.next_prompts(len(train_rows), self.cfg.data.train_batch_size, t.seed, self.cfg.data.shuffle)
             mine = [train_rows[i] for i in inds[rank * self.prompts:(rank + 1) * self.prompts]]

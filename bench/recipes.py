@@ -55,7 +55,8 @@ def run(recipe: str, args) -> int:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count()))}  # as make run
     with open(os.path.join(args.out, f"{recipe}.log"), "a") as log:
         print(f"{recipe}: {' '.join(command(recipe, out, args)[3:])}", flush=True)
-        return subprocess.run(command(recipe, out, args), cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+        proc = subprocess.run(command(recipe, out, args), cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return proc.returncode
 
 
 def summary(recipe: str, args) -> dict:

@@ -441,7 +441,8 @@ def check_sizes(cfg, world: int, num_rows: int) -> Sizes:
 def check_combinations(cfg) -> None:
     """ppo.py's settings that cannot work together fail here, before anything loads, one sentence each."""
     alg, ro, t = cfg.algorithm, cfg.rollout, cfg.trainer
-    asked = [f"algorithm.{key}={getattr(alg, key)}" for key in ("rollout_is", "rollout_rs") if getattr(alg, key) != "off"]
+    asked = [f"algorithm.{key}={getattr(alg, key)}" for key in ("rollout_is", "rollout_rs")
+             if getattr(alg, key) != "off"]
     if asked and (ro.name == "hf" or importlib.util.find_spec("vllm") is None):
         raise ConfigError(f"{' and '.join(asked)} corrects by the sampler's own logprobs, which only rollout.name=vllm "
                           f"gives ({'rollout.name is hf' if ro.name == 'hf' else 'vLLM is not installed'}); "
@@ -469,8 +470,8 @@ def check_combinations(cfg) -> None:
 # The range of every number, by field name (a name means the same thing in every section). Any number not
 # listed must be ≥ 0. Every number must be finite; a list (betas) is checked element by element.
 RANGES = {
-    "[1, inf)": "n val_n max_num_gen_batches train_batch_size max_prompt_length max_response_length micro_batch_size ppo_epochs "
-                "ppo_mini_batch_size ppo_micro_batch_size_per_device log_prob_micro_batch_size_per_device "
+    "[1, inf)": "n val_n max_num_gen_batches train_batch_size max_prompt_length max_response_length micro_batch_size "
+                "ppo_epochs ppo_mini_batch_size ppo_micro_batch_size_per_device log_prob_micro_batch_size_per_device "
                 "max_token_len_per_device horizon total_steps max_kl_window batch_size micro_batch_size_per_device "
                 "max_length lora_alpha",
     "(0, inf)": "lr target_kl max_grad_norm rollout_is_threshold rollout_rs_threshold clip",

@@ -478,7 +478,8 @@ class Rows:
         return len(self.non_tensor)
 
     def __getitem__(self, i):
-        return types.SimpleNamespace(batch={k: v[i] for k, v in self.batch.items()}, non_tensor_batch=self.non_tensor[i])
+        return types.SimpleNamespace(batch={k: v[i] for k, v in self.batch.items()},
+                                     non_tensor_batch=self.non_tensor[i])
 
 
 def test_overlong_reward_equals_verls_dapo_reward_manager(verl_dapo):

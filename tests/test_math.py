@@ -277,8 +277,8 @@ def test_gspo_equals_plain_loop_and_ignores_padding():
 
 
 def test_cispo_hand_case_gradient_is_the_clipped_weight():
-    """CISPO's gradient per token is −sg[clip(r)]·Â·∇log π: r = e^0.5 ≈ 1.65 is clipped to 1.28 (ε_high 0.28), r = e^−0.5
-    ≈ 0.61 is kept whole with no lower bound (ε_low = 1), so with Â = [2, −1] the gradients are −2.56 and +0.61;
+    """CISPO's gradient per token is −sg[clip(r)]·Â·∇log π: r = e^0.5 ≈ 1.65 is clipped to 1.28 (ε_high 0.28),
+    r = e^−0.5 ≈ 0.61 is kept whole with no lower bound (ε_low = 1), so with Â = [2, −1] the gradients are −2.56 and +0.61;
     PPO's clip would give the first token no gradient at all."""
     logp, old = torch.tensor([[0.5, -0.5]], requires_grad=True), torch.zeros(1, 2)
     adv = torch.tensor([[2.0, -1.0]])
@@ -612,7 +612,8 @@ def test_pass_and_majority_per_source_and_overall():
     scores = [1, 0, 0, 0] + [1, 1, 0, 1] + [0, 0, 0, 0]
     answers = ["8", "7", "7", "1"] + ["9", "9", "2", "9"] + [None] * 4
     m = pass_and_majority(rows, scores, answers, ["a", "b"], 4, one_process())
-    assert [m["val/a/pass@1"], m["val/a/pass@2"], m["val/a/pass@4"], m["val/a/maj@4"]] == pytest.approx([0.5, 0.75, 1, 0.5])
+    a = [m["val/a/pass@1"], m["val/a/pass@2"], m["val/a/pass@4"], m["val/a/maj@4"]]
+    assert a == pytest.approx([0.5, 0.75, 1, 0.5])
     assert [m["val/b/pass@1"], m["val/b/pass@4"]] == [0, 0] and "val/b/maj@4" not in m
     assert m["val/pass@1/mean"] == pytest.approx(1 / 3) and m["val/maj@4/mean"] == pytest.approx(0.5)
 
@@ -692,7 +693,8 @@ def run_actor_loss(policy, mb, **overrides):
     cfg = cli.load_config(None, [f"{k}={v}" for k, v in overrides.items()])
     mb = {"loss_mask": mb["response_mask"], **mb}  # the policy loss sees every real token unless the test says
     mask = mb["loss_mask"]
-    return ActorLoss.from_config(cfg, Forward(1.0, None, "padded"))(policy, mb, Counts(float(mask.sum()), float(len(mask))))
+    counts = Counts(float(mask.sum()), float(len(mask)))
+    return ActorLoss.from_config(cfg, Forward(1.0, None, "padded"))(policy, mb, counts)
 
 
 def logprobs_of(policy, mb):

@@ -500,7 +500,8 @@ def test_export_writes_any_checkpoint_as_an_hf_folder(rollback_run, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "best_hf")
     assert not hasattr(model, "peft_config")
     refused = export(out / "best", tmp_path / "best_hf", "--merge")
-    assert refused.returncode == 1 and "exists and is not empty; choose another folder, or pass --overwrite" in refused.stderr
+    assert refused.returncode == 1
+    assert "exists and is not empty; choose another folder, or pass --overwrite" in refused.stderr
     assert export(out / "best", tmp_path / "best_hf", "--merge", "--overwrite").returncode == 0
 
 

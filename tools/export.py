@@ -38,9 +38,9 @@ def find_folder(path: str, checkpoint: str) -> str:
 
 def export(checkpoint: str, output_dir: str, merge: bool = False, overwrite: bool = False) -> str:
     """The policy of `checkpoint` (step_<N>/ or best/ of a ppo.py run) saved as an HF folder in output_dir."""
-    if not (os.path.isfile(os.path.join(checkpoint, "state.json")) and os.path.isdir(os.path.join(checkpoint, "tensors"))):
+    if not all(os.path.exists(os.path.join(checkpoint, name)) for name in ("state.json", "tensors")):
         raise ConfigError(f"{checkpoint} is not a checkpoint (a step_<N>/ or best/ folder of a ppo.py run, with "
-                          f"state.json and tensors/); for final/ there is nothing to export, it is an HF folder already")
+                          f"state.json and tensors/); final/ needs no export, it is an HF folder already")
     saved_config = os.path.join(os.path.dirname(os.path.abspath(checkpoint)), "config.yaml")
     if not os.path.isfile(saved_config):
         raise ConfigError(f"{saved_config} is missing: the run's config.yaml says how its policy was built; copy it "
