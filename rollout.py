@@ -30,6 +30,35 @@ class Rollout:
     logprobs: Optional[torch.Tensor] = None  # (B·n, Tr)
 
 
+@dataclass
+class Samples:
+    """Prompts with their n responses and scores: row i·n + j is sample j of the prompt rows[i·n]."""
+    rows: list  # (B,) the prompts' data rows, each n times
+    responses: torch.Tensor  # (B, Tr) right-padded
+    response_mask: torch.Tensor  # (B, Tr)
+    rollout_logprobs: Optional[torch.Tensor]  # (B, Tr) the sampler's, or None
+    texts: list  # (B,) the decoded responses
+    scores: torch.Tensor  # (B,) the task scores, length shaping included
+    truncated: torch.Tensor  # (B,) bool: cut off at rollout.max_response_length without EOS
+
+    def take(self, rows: list[int]) -> "Samples":
+        return Samples(*[None if v is None else [v[i] for i in rows] if isinstance(v, list) else v[rows]
+                         for v in vars(self).values()])
+
+    @staticmethod
+    def cat(parts: list, pad_id: int) -> "Samples":
+        """All rows of `parts`, in order; the (B, Tr) tensors right-padded to the longest (masks, logprobs with 0)."""
+        T = max(p.responses.shape[1] for p in parts)
+
+        def padded(name, value):
+            tensors = [getattr(p, name) for p in parts]
+            return None if tensors[0] is None else torch.cat(
+                [torch.nn.functional.pad(x, (0, T - x.shape[1]), value=value) for x in tensors])
+        return Samples([row for p in parts for row in p.rows], padded("responses", pad_id),
+                       padded("response_mask", 0), padded("rollout_logprobs", 0.0), [x for p in parts for x in p.texts],
+                       torch.cat([p.scores for p in parts]), torch.cat([p.truncated for p in parts]))
+
+
 def right_pad(seqs: list[list], pad, dtype=torch.long) -> tuple[torch.Tensor, torch.Tensor]:
     """Lists → (values, mask), both (B, T), T ≥ 1, padded on the right with `pad`; mask 1 = a real entry."""
     T = max(1, max(len(s) for s in seqs))
@@ -182,7 +211,8 @@ class VLLMRollout:
         self.cfg, self.unwrap = cfg.rollout, unwrap
         self.pad_id = tokenizer.pad_token_id
         self.eos_ids = eos_ids_of(tokenizer, unwrap(model))
-        self.dtype = autocast_dtype(cfg.rollout.dtype) or torch.float32
+        dtype = cfg.model.dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype  # auto: as the trainer computes
+        self.dtype = autocast_dtype(dtype) or torch.float32
         self.sleeps = cfg.rollout.free_cache_engine and torch.cuda.is_available()
         max_len = cfg.data.max_prompt_length + cfg.rollout.max_response_length
         memory = dict(gpu_memory_utilization=cfg.rollout.gpu_memory_utilization)
