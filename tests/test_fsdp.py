@@ -7,6 +7,7 @@ checked in fp32 with greedy rollouts (rollout.temperature=0) and full-length res
 so that 1 and 2 processes see the same tokens; the tolerance is TOL (relative), far above the ~1e-6 seen.
 """
 import importlib.util
+import json
 import os
 import shutil
 import stat
@@ -231,3 +232,62 @@ def test_fsdp2_lora_with_a_vllm_engine_per_process(workdir, tmp_path):
     metrics = read_metrics(tmp_path / "out")
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(m["rollout/logprob_diff_max"] < 1e-3 for m in metrics), [m["rollout/logprob_diff_max"] for m in metrics]
+
+
+MICRO_BATCH_SCRIPT = """
+import json, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from infra.optim import train_step
+
+torch.distributed.init_process_group("gloo")
+world = torch.distributed.get_world_size()
+
+
+def net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+
+
+def loss_fn(model, x):
+    return (model(x) ** 2).mean() / 2
+
+
+data = torch.randn(world, 3, 2, 8, generator=torch.Generator().manual_seed(1))  # (process, micro-batch, row, in)
+model = net()
+for layer in (model[0], model[2], model):
+    fully_shard(layer)
+params = list(model.parameters())
+grads_seen = []  # at each micro-batch: the gradients the earlier ones left, as 'none', 'sharded' or 'other'
+
+
+def recording_loss(x):
+    grads = [p.grad for p in params]
+    grads_seen.append("none" if all(g is None for g in grads) else "sharded" if all(
+        isinstance(g, DTensor) and g.to_local().numel() < p.numel() for g, p in zip(grads, params)) else "other")
+    return loss_fn(model, x), {}
+
+
+train_step(model, torch.optim.SGD(params, lr=0.1), list(data[torch.distributed.get_rank()]), recording_loss, 1e9)
+reference = net()  # one process, every micro-batch of every process: the loss FSDP2 averages over processes
+sum(loss_fn(reference, x) for x in data.flatten(0, 1)).div(world).backward()
+torch.optim.SGD(reference.parameters(), lr=0.1).step()
+diff = max(float((p.full_tensor() - r).abs().max()) for p, r in zip(params, reference.parameters()))
+if torch.distributed.get_rank() == 0:
+    print(json.dumps({"grads_seen": grads_seen, "max_diff": diff}))
+torch.distributed.destroy_process_group()
+"""
+
+
+def test_fsdp2_reduce_scatters_every_micro_batch(tmp_path):
+    """Under FSDP2 (2 processes), each micro-batch's backward already leaves every parameter's gradient reduced
+    and sharded (a DTensor holding half of it): no whole unsharded gradient waits for the last micro-batch on
+    every device (issue 22). The step equals one process's SGD step on every micro-batch of both processes."""
+    (tmp_path / "micro.py").write_text(MICRO_BATCH_SCRIPT)
+    proc = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                str(free_port()), str(tmp_path / "micro.py"), REPO], env=dict(CUDA_VISIBLE_DEVICES=""))
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["grads_seen"] == ["none", "sharded", "sharded"]
+    assert result["max_diff"] < 1e-6
