@@ -58,7 +58,7 @@ from critic import explained_variance, value_loss
 from infra import cli, config
 from infra.batches import autocast_dtype, batch_layout, Forward, micro_batch, per_token_pass, split_micro
 from infra.config import ConfigError, exact_div
-from infra.distributed import fsdp_from_launcher, full_state_dict
+from infra.distributed import fsdp_from_launcher, full_state_dict, max_over_processes, use_cpu
 from infra.metrics import (check_loggers, console_line, MetricsLogger, plot_curves, reduce_metrics, sample_table,
                            sum_over_processes, timed, wandb_resume_id)
 from infra.models import check_model_folders, load_models, load_tokenizer, save_pretrained_atomic
@@ -333,7 +333,7 @@ def check_names(cfg) -> None:
 def main(cfg: config.Config):
     check_names(cfg)
     needs_critic = cfg.algorithm.adv_estimator in NEEDS_CRITIC
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())  # on a CPU, launched processes join over gloo
+    accelerator = Accelerator(cpu=use_cpu())  # on a CPU, launched processes join over gloo
     print0 = functools.partial(accelerator.print, flush=True)  # rank 0 only; flushed even into a pipe
     # before anything loads: output_dir is this run's alone, a checkpoint fits this config, the inputs exist
     lock, resume_from, finished = start_run(accelerator, cfg, "trainer",  # the lock is held until the process ends
@@ -423,7 +423,8 @@ def main(cfg: config.Config):
         # ---- 4. old/ref logprobs and values: no grad, micro-batched, in eval mode (set_train_mode says why)
         set_train_mode([policy, critic], False)
         no_grad_pass = functools.partial(per_token_pass, batch=batch, max_tokens=max_tokens, lengths=tok_lengths,
-                                         size=cfg.actor.log_prob_micro_batch_size_per_device, device=device)
+                                         size=cfg.actor.log_prob_micro_batch_size_per_device, device=device,
+                                         largest_count=max_over_processes)  # as many forwards on every process
         # departure 3: with one epoch of one mini-batch and no KL in the reward, ActorLoss takes old_logprobs from
         # the update's own forward instead
         if cfg.actor.ppo_epochs > 1 or sizes.num_mini > 1 or alg.use_kl_in_reward:
@@ -460,10 +461,10 @@ def main(cfg: config.Config):
                 counts = mini_batch_counts(response_mask[mini_inds], accelerator)  # normalise its loss (departure 4)
                 for u in updates:
                     with timed(times, f"time/update_{u.name}_s"):
-                        micro_batches = [micro_batch(batch, i, device)
-                                         for i in split_micro(mini_inds, tok_lengths, u.micro_size, max_tokens)]
-                        # one optimiser step: loss.backward() per micro-batch, gradients averaged over processes
-                        # after the last one only, clipped over every shard, optimizer.step() unless non-finite
+                        micro_batches = [micro_batch(batch, i, device) for i in split_micro(
+                            mini_inds, tok_lengths, u.micro_size, max_tokens, largest_count=max_over_processes)]
+                        # one optimiser step: loss.backward() per micro-batch, gradients averaged over processes,
+                        # clipped over every shard, optimizer.step() unless non-finite
                         loss_fn = functools.partial(u.loss, u.model, counts=counts)
                         grad_norm, losses = train_step(u.model, u.optimizer, micro_batches, loss_fn, u.max_grad_norm)
                     state.skipped += grad_norm is None

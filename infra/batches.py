@@ -244,8 +244,20 @@ def micro_batch(batch: dict, inds, device):
     return {k: v.to(device) for k, v in mb.items()}
 
 
-def split_micro(inds, lengths, size: int, max_tokens: int = 0):
-    """Split indices into micro-batches of `size` rows, or (max_tokens > 0) greedily by a token budget."""
+def same_count(count: int) -> int:
+    """The most micro-batches any process makes, on one process: its own count (see split_micro)."""
+    return count
+
+
+def split_micro(inds, lengths, size: int, max_tokens: int = 0, largest_count=same_count):
+    """Split indices into micro-batches of `size` rows, or (max_tokens > 0) greedily by a token budget.
+
+    By a budget each process would make its own number of micro-batches from its own lengths, and every forward is
+    a round of collectives (FSDP2's all-gathers, DDP's buffer broadcast): a process with fewer would leave the
+    others waiting forever (issue 22). So all make as many as the one that makes most, largest_count(own count)
+    (infra.distributed.max_over_processes, as verl all-reduces it), halving their largest micro-batches to get
+    there; every process holds as many rows, so there are enough.
+    """
     if max_tokens <= 0:
         return [inds[i:i + size] for i in range(0, len(inds), size)]
     order = sorted(inds.tolist(), key=lambda i: lengths[i])
@@ -256,7 +268,11 @@ def split_micro(inds, lengths, size: int, max_tokens: int = 0):
             cur, longest = [], 0
         cur.append(i)
         longest = max(longest, lengths[i])
-    return out + [torch.tensor(cur)]
+    out.append(torch.tensor(cur))
+    for _ in range(largest_count(len(out)) - len(out)):  # a part of a micro-batch stays within the budget
+        big = max(range(len(out)), key=lambda j: len(out[j]))
+        out[big:big + 1] = list(out[big].tensor_split(2))
+    return out
 
 
 def shared_prompt_logits(model, mb, **prompt_kwargs):
@@ -334,10 +350,11 @@ class Forward:
 
 
 @torch.no_grad()
-def per_token_pass(fn, batch, size, max_tokens, lengths, device):
-    """Run fn(micro-batch) → (b, tr) over the batch without grad; reassemble the (B, Tr) result."""
+def per_token_pass(fn, batch, size, max_tokens, lengths, device, largest_count=same_count):
+    """Run fn(micro-batch) → (b, tr) over the batch without grad; reassemble the (B, Tr) result. Micro-batches as
+    split_micro makes them."""
     out = torch.zeros(batch["responses"].shape, dtype=torch.float32)
-    for inds in split_micro(torch.arange(len(lengths)), lengths, size, max_tokens):
+    for inds in split_micro(torch.arange(len(lengths)), lengths, size, max_tokens, largest_count):
         result = fn(micro_batch(batch, inds, device)).float().cpu()
         out[inds, :result.shape[1]] = result
     return out

@@ -51,8 +51,10 @@ def args(root, out, *overrides):
 
 
 def run(cmd, env=None):
+    """Run cmd on the CPU, GPUs hidden: on a GPU machine accelerate would give rank 1 a cuda:1 that one GPU lacks, and
+    the exact-resume comparison (tolerance 0) holds only for the CPU's deterministic kernels."""
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
+                          env=dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", **(env or {})))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
 
@@ -177,7 +179,8 @@ def test_two_machines_on_localhost(workdir, tmp_path):
     alive after destroy_process_group; a teardown beside its threads once aborted the finished rank 1)."""
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "sitecustomize.py").write_text(AT_EXIT)  # every Python process: its threads at exit
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1", PYTHONPATH=str(tmp_path / "site"))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1", CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=str(tmp_path / "site"))
     port = str(free_port())
     procs = [subprocess.Popen([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                                "accelerate_configs/fsdp2_multinode.yaml", "--num_machines", "2", "--num_processes", "2",
@@ -234,6 +237,28 @@ def test_fsdp2_lora_with_a_vllm_engine_per_process(workdir, tmp_path):
     assert all(m["rollout/logprob_diff_max"] < 1e-3 for m in metrics), [m["rollout/logprob_diff_max"] for m in metrics]
 
 
+def test_dynamic_batch_size_makes_as_many_micro_batches_on_every_process(workdir, tmp_path):
+    """actor.use_dynamic_bsz under FSDP2 with 2 processes whose token budgets alone would give them different numbers
+    of micro-batches (process 0 samples only short prompts, 3 sequences to a micro-batch, process 1 only long ones, 1
+    to a micro-batch): every forward is a round of collectives, so that crashed (gloo) or hung (NCCL) (issue 22).
+    Both now make as many, and the run logs the gradient norms, scores and values one process logs."""
+    import data
+    rows = data.make_arithmetic(32, seed=0)
+    for i, row in enumerate(rows):  # with data.shuffle=false, process 0 gets rows 4k and 4k + 1 of each batch
+        if i % 4 < 2:
+            row["prompt"] = row["prompt"][-1:]  # the question alone: 25 tokens, against 87 with the worked example
+    data.write_parquet(rows, str(tmp_path / "train.parquet"))
+    overrides = [*GAE_FULL, f"data.train_files={tmp_path / 'train.parquet'}", "data.shuffle=false",
+                 "actor.use_dynamic_bsz=true", "actor.max_token_len_per_device=128", "trainer.total_steps=2"]
+    one_process(workdir, tmp_path / "one", *overrides)
+    fsdp2(workdir, tmp_path / "fsdp2", *overrides)
+    a, b = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "fsdp2")
+    assert [m["step"] for m in b] == [1, 2]
+    for key in ("actor/grad_norm", "critic/grad_norm", "score/mean", "value/mean", "reward/mean"):
+        for x, y in zip(a, b):  # loss/* and kl/mean are means over micro-batches, which differ: not compared
+            assert abs(x[key] - y[key]) <= TOL * max(1.0, abs(x[key])), (key, x[key], y[key])
+
+
 MICRO_BATCH_SCRIPT = """
 import json, sys
 import torch
@@ -287,7 +312,7 @@ def test_fsdp2_reduce_scatters_every_micro_batch(tmp_path):
     every device (issue 22). The step equals one process's SGD step on every micro-batch of both processes."""
     (tmp_path / "micro.py").write_text(MICRO_BATCH_SCRIPT)
     proc = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                str(free_port()), str(tmp_path / "micro.py"), REPO], env=dict(CUDA_VISIBLE_DEVICES=""))
+                str(free_port()), str(tmp_path / "micro.py"), REPO])
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["grads_seen"] == ["none", "sharded", "sharded"]
     assert result["max_diff"] < 1e-6

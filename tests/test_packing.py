@@ -176,3 +176,16 @@ def test_packed_inputs_worked_example():
                     41: [21, 22, 23, 41], 42: [21, 22, 23, 41, 42]}
     assert keep.tolist() == [1, 5, 1, 4, 8]
     assert ids[keep].tolist() == [12, 31, 12, 23, 41]  # the tokens whose outputs predict 31, 32, 33, 41, 42
+
+
+def test_token_budget_micro_batches_reach_the_count_of_the_process_that_makes_most():
+    """split_micro by a token budget, told that another process makes more micro-batches (largest_count), makes
+    exactly that many: every row once, each within the budget (issue 22: unequal counts hang FSDP2)."""
+    lengths = [30, 10, 12, 50, 8, 9, 11, 40]
+    inds = torch.arange(len(lengths))
+    own = batches.split_micro(inds, lengths, 4, max_tokens=60)
+    for count in (len(own), len(own) + 1, len(lengths)):
+        micro = batches.split_micro(inds, lengths, 4, max_tokens=60, largest_count=lambda c: max(c, count))
+        assert len(micro) == count
+        assert sorted(torch.cat(micro).tolist()) == list(range(len(lengths)))
+        assert all(max(lengths[i] for i in m.tolist()) * len(m) <= 60 for m in micro)

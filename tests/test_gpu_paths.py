@@ -1,0 +1,118 @@
+"""The GPU paths whose logic runs on a CPU (issue 22): the device a run picks, the RNG state a checkpoint keeps, the
+reference's dtype, and the GPU check's own plan. What only a GPU can show is bench/gpu_check.sh's."""
+import json
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO
+from infra.config import ConfigError
+from infra.distributed import rng_state, set_rng_state, use_cpu
+from infra.models import reference_dtype
+
+NVIDIA_SMI = """#!/bin/sh
+# A stand-in for nvidia-smi on a machine whose torch cannot use its GPUs.
+echo "GPU 0: NVIDIA H200 (UUID: GPU-00000000-0000-0000-0000-000000000000)"
+"""
+
+
+@pytest.fixture
+def fake_nvidia_smi(tmp_path):
+    """A folder holding an nvidia-smi that lists one GPU, to put first on PATH."""
+    path = tmp_path / "bin" / "nvidia-smi"
+    path.parent.mkdir()
+    path.write_text(NVIDIA_SMI)
+    path.chmod(stat.S_IRWXU)
+    return path.parent
+
+
+def test_visible_gpus_that_torch_cannot_use_stop_the_run_unless_the_cpu_is_asked_for(monkeypatch, fake_nvidia_smi):
+    """nvidia-smi lists a GPU and torch cannot use CUDA: one sentence naming both ways out. Asking for the CPU
+    (accelerate launch --cpu, or the GPUs hidden) runs on it; without nvidia-smi there is no GPU to miss; where torch
+    can use CUDA, it does."""
+    monkeypatch.setenv("PATH", f"{fake_nvidia_smi}:{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"nvidia-smi lists 1 GPU\(s\) but torch .* cannot use them") as error:
+        use_cpu()
+    assert "make install DEVICE=cuda" in str(error.value) and "CUDA_VISIBLE_DEVICES=" in str(error.value)
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    assert use_cpu()
+    monkeypatch.delenv("ACCELERATE_USE_CPU")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert use_cpu()
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setenv("PATH", str(fake_nvidia_smi.parent / "empty"))  # no nvidia-smi at all
+    assert use_cpu()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert not use_cpu()
+
+
+@pytest.mark.parametrize("script", ["ppo.py", "reward_model.py"])
+def test_entry_points_refuse_gpus_torch_cannot_use_before_anything_loads(fake_nvidia_smi, script):
+    """ppo.py and reward_model.py, on a machine where nvidia-smi lists a GPU that torch cannot use, exit 1 with that
+    sentence as their only line on stderr. (CUDA_VISIBLE_DEVICES=99 names no device, so torch sees none even on a
+    GPU machine, while nvidia-smi, which ignores the variable, still lists one.)"""
+    env = dict(os.environ, PATH=f"{fake_nvidia_smi}:{os.environ['PATH']}", CUDA_VISIBLE_DEVICES="99")
+    env.pop("ACCELERATE_USE_CPU", None)
+    proc = subprocess.run([sys.executable, script, "--config", "configs.yaml"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"{script}: nvidia-smi lists 1 GPU(s) but torch"), proc.stderr
+
+
+class FakeCuda:
+    """torch.cuda's generator functions on `visible` devices, this process driving device `current`."""
+
+    def __init__(self, visible: int, current: int):
+        self.states = {i: torch.full((16,), i, dtype=torch.uint8) for i in range(visible)}
+        self.current = current
+
+    def get_rng_state(self, device="cuda"):
+        return self.states[self.current].clone()
+
+    def set_rng_state(self, state, device="cuda"):
+        self.states[self.current] = state.clone()
+
+    def get_rng_state_all(self):
+        return [self.states[i] for i in sorted(self.states)]
+
+    def set_rng_state_all(self, states):
+        for i, state in enumerate(states):  # as torch's: a device this machine lacks is an error
+            if i not in self.states:
+                raise RuntimeError(f"CUDA error: invalid device ordinal {i}")
+            self.states[i] = state
+
+    def install(self, monkeypatch):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        for name in ("get_rng_state", "set_rng_state", "get_rng_state_all", "set_rng_state_all"):
+            monkeypatch.setattr(torch.cuda, name, getattr(self, name))
+
+
+def test_a_checkpoint_keeps_the_rng_of_its_own_device_and_resumes_on_fewer_gpus(monkeypatch):
+    """Saved by the process driving device 3 of 8 visible GPUs, the RNG state holds that device's generator only, and
+    restores into the one device of a resume that sees a single GPU (issue 22: all 8 were saved, and restoring
+    devices 1..7 failed)."""
+    saving = FakeCuda(visible=8, current=3)
+    saving.states[3] = torch.full((16,), 42, dtype=torch.uint8)
+    saving.install(monkeypatch)
+    saved = json.loads(json.dumps(rng_state()))  # as the checkpoint's rng_<rank>.json holds it
+    assert saved["cuda"] == [42] * 16
+    resuming = FakeCuda(visible=1, current=0)
+    resuming.install(monkeypatch)
+    set_rng_state(saved)
+    assert resuming.states[0].tolist() == [42] * 16
+
+
+def test_the_reference_is_loaded_in_the_compute_dtype_on_a_gpu_only():
+    """bf16 compute on a GPU: the frozen reference in bf16 (half its memory); on a CPU, or with fp32 compute, fp32."""
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert reference_dtype(cuda, torch.bfloat16) == torch.bfloat16
+    assert reference_dtype(cuda, None) == torch.float32
+    assert reference_dtype(cpu, torch.bfloat16) == torch.float32
