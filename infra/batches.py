@@ -102,11 +102,15 @@ def varlen_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     p = packed_attention
-    q, k, v = (x[0][:, index].transpose(0, 1) for x, index in  # (1, H, N, D) → (G, H, W, D)
+    q, k, v = (x[0][:, index].transpose(0, 1) for x, index in  # (1, H or Hkv, N, D) → (G, H or Hkv, W, D)
                ((query, p["q_index"]), (key, p["k_index"]), (value, p["k_index"])))
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=p["mask"][:, None], dropout_p=dropout, scale=scaling,
-        enable_gqa=key.shape[1] != query.shape[1])  # (G, H, Wq, D)
+    # Grouped-query attention (Hkv < H): each KV head repeated for its H / Hkv query heads, as transformers does
+    # whenever it passes a mask. CUDA's flash kernel takes no mask and its memory-efficient one no enable_gqa, so a
+    # mask with enable_gqa=True falls to the math kernel, fp32 (G, H, Wq, Wk) scores in every layer (issue 22).
+    if (groups := query.shape[1] // key.shape[1]) > 1:
+        k, v = (x.repeat_interleave(groups, dim=1) for x in (k, v))  # (G, H, Wk, D)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=p["mask"][:, None], dropout_p=dropout,
+                                                           scale=scaling)  # (G, H, Wq, D)
     return out.transpose(1, 2)[p["q_valid"]][None], None  # (1, N, H, D), as transformers' attention functions return
 
 

@@ -104,15 +104,16 @@ def make_tokenizer(corpus=CORPUS, vocab_size=200):
                                    pad_token="<|im_end|>", unk_token="<|endoftext|>", chat_template=CHAT_TEMPLATE)
 
 
-def make_tiny_model(path, seed=0, tokenizer=None, arch="llama"):
-    """Save a random 2-layer causal LM (head_dim 64) and its tokenizer to `path`; return the path."""
+def make_tiny_model(path, seed=0, tokenizer=None, arch="llama", kv_heads=2):
+    """Save a random 2-layer causal LM (2 heads of 64; kv_heads=1: grouped-query attention) and its tokenizer to
+    `path`; return the path."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
     tokenizer = tokenizer or make_tokenizer()
     Cfg = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
     config = Cfg(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                 num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512,
+                 num_attention_heads=2, num_key_value_heads=kv_heads, max_position_embeddings=512,
                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                  pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
     torch.manual_seed(seed)
