@@ -68,7 +68,7 @@ from kl import KLController, kl_estimate, kl_penalty_rewards
 from losses import agg_loss, Clip, Counts, POLICY_LOSSES, rollout_is_weights
 from data import load_prompts
 from rewards import check_data_sources, check_reward_inputs, score_on_every_process, Scorer
-from rollout import cut_off, HFRollout, left_pad, make_rollout
+from rollout import cut_off, left_pad, make_rollout
 
 CONSOLE_KEYS = ["score/mean", "reward/mean", "kl/mean", "policy/entropy", "policy/clipfrac", "loss/policy",
                 "loss/value", "value/explained_var", "response/length_mean", "val/score/mean", "val/rule_score/mean",
@@ -528,8 +528,8 @@ def main(cfg: config.Config):
     save_final(accelerator, policy, tokenizer, cfg)
     logger.close()
     accelerator.wait_for_everyone()
-    if isinstance(rollout, HFRollout):  # a vLLM engine destroys the process group itself at exit
-        accelerator.end_training()
+    rollout.close()  # a vLLM engine destroys its process groups, and the launcher's
+    accelerator.end_training()  # the process group, where one is left
     return stop_reason
 
 
