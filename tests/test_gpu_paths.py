@@ -162,3 +162,48 @@ def test_the_check_after_install_knows_this_torchs_build():
     assert ok.returncode == 0, ok.stderr
     assert other.returncode != 0 and f"has torch {torch.__version__}, a {'CUDA' if own == 'cuda' else 'CPU'} build" \
         in other.stderr
+
+
+def gpu_check(tmp_path, **env) -> subprocess.CompletedProcess:
+    """bench/gpu_check.sh with this interpreter, its work and figures under tmp_path, GPUs hidden."""
+    env = dict(os.environ, PY=sys.executable, WORK=str(tmp_path / "work"), OUT=str(tmp_path / "out"),
+               CUDA_VISIBLE_DEVICES="", **env)
+    return subprocess.run(["bash", "bench/gpu_check.sh"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_the_gpu_check_fits_8_minutes_by_construction(tmp_path):
+    """The dry run lists every stage with its cap, the vLLM one among them; the caps and the reserve add up to the
+    printed total, at most 480 s."""
+    proc = gpu_check(tmp_path, GPU_CHECK_DRY="1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    caps = {line.split()[0]: int(line.split()[2]) for line in proc.stdout.splitlines() if " cap " in line}
+    assert {"setup", "build", "fsdp2", "resume", "packing", "half-full", "half-lora", "offload", "vllm"} == set(caps)
+    reserve = next(int(line.split()[1]) for line in proc.stdout.splitlines() if line.strip().startswith("reserve"))
+    total = int(proc.stdout.splitlines()[-1].split()[1])
+    assert sum(caps.values()) + reserve == total <= 480
+    assert not (tmp_path / "out").exists(), "a dry run writes nothing"
+
+
+def test_the_gpu_check_without_a_usable_gpu_fails_setup_and_skips_the_rest_saying_why(tmp_path):
+    """Where torch sees no GPU, the check says so in its setup stage's FAIL line, marks every other stage SKIP with
+    the stage it needed, writes the one figures file listing every stage, and exits 1."""
+    proc = gpu_check(tmp_path)
+    assert proc.returncode == 1
+    assert "FAIL setup" in proc.stdout and "sees no GPU" in proc.stdout
+    figures = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    outcomes = {s["stage"]: (s["outcome"], s["reason"]) for s in figures["stages"]}
+    assert outcomes.pop("setup")[0] == "FAIL"
+    assert all(outcome == "SKIP" and reason.startswith("needs the ") for outcome, reason in outcomes.values())
+    assert os.listdir(tmp_path / "out") == ["gpu_check.json"]
+
+
+def test_the_vllm_stage_skips_where_vllm_does_not_import(tmp_path):
+    """Without vLLM the vLLM stage is SKIP, exit 3, with the reason; it never runs on the HF backend instead."""
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text('raise ImportError("no vLLM on this machine")\n')
+    proc = subprocess.run([sys.executable, "bench/gpu_check.py", "vllm"], cwd=REPO, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(tmp_path), WORK=str(tmp_path / "work")), timeout=120)
+    assert proc.returncode == 3
+    assert proc.stdout.strip().splitlines()[-1] == ("SKIP: vLLM does not import here (ImportError: no vLLM on this "
+                                                    "machine); the HF backend is not a stand-in for it")
