@@ -66,7 +66,7 @@ from critic import explained_variance, value_loss
 from infra import cli, config
 from infra.batches import autocast_dtype, batch_layout, Forward, micro_batch, per_token_pass, split_micro
 from infra.config import check_combinations, check_sizes, ConfigError
-from infra.distributed import fsdp_from_launcher
+from infra.distributed import fsdp_from_launcher, max_over_processes, use_cpu
 from infra.metrics import check_loggers, console_line, reduce_metrics, sample_table, sum_over_processes, timed
 from infra.models import check_model_folders, load_models, load_tokenizer
 from infra.optim import make_optimizer, train_step
@@ -323,7 +323,7 @@ def main(cfg: config.Config):
     check_names(cfg)
     check_combinations(cfg)
     needs_critic = cfg.algorithm.adv_estimator in NEEDS_CRITIC
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())  # on a CPU, launched processes join over gloo
+    accelerator = Accelerator(cpu=use_cpu())  # on a CPU, launched processes join over gloo
     print0 = functools.partial(accelerator.print, flush=True)  # rank 0 only; flushed even into a pipe
     # before anything loads: output_dir is this run's alone, a checkpoint fits this config, the inputs exist
     lock, resume_from, finished = start_run(accelerator, cfg, "trainer",  # the lock is held until the process ends
@@ -402,7 +402,8 @@ def main(cfg: config.Config):
         # ---- 4. old/ref logprobs and values: no grad, micro-batched, in eval mode (set_train_mode says why)
         set_train_mode([policy, critic], False)
         no_grad_pass = functools.partial(per_token_pass, batch=batch, max_tokens=max_tokens, lengths=tok_lengths,
-                                         size=cfg.actor.log_prob_micro_batch_size_per_device, device=device)
+                                         size=cfg.actor.log_prob_micro_batch_size_per_device, device=device,
+                                         largest_count=max_over_processes)  # as many forwards on every process
         if fwd.trunk is not None:  # issue 25: the frozen layers once per sequence; the forwards below start above them
             with timed(times, "time/trunk_s"):
                 batch.update(no_grad_pass(lambda micro: fwd.trunk_states(policy, micro)))  # (B, Tq, H), (B, Tr, H)
@@ -444,10 +445,10 @@ def main(cfg: config.Config):
                 for u in updates:
                     counts = mini_batch_counts(batch[u.mask][mini_inds], accelerator)  # its loss's norm (departure 4)
                     with timed(times, f"time/update_{u.name}_s"):
-                        micro_batches = [micro_batch(batch, i, device)
-                                         for i in split_micro(mini_inds, tok_lengths, u.micro_size, max_tokens)]
-                        # one optimiser step: loss.backward() per micro-batch, gradients averaged over processes
-                        # after the last one only, clipped over every shard, optimizer.step() unless non-finite
+                        micro_batches = [micro_batch(batch, i, device) for i in split_micro(
+                            mini_inds, tok_lengths, u.micro_size, max_tokens, largest_count=max_over_processes)]
+                        # one optimiser step: loss.backward() per micro-batch, gradients averaged over processes,
+                        # clipped over every shard, optimizer.step() unless non-finite
                         loss_fn = functools.partial(u.loss, u.model, counts=counts)
                         grad_norm, losses = train_step(u.model, u.optimizer, micro_batches, loss_fn, u.max_grad_norm)
                     state.skipped += grad_norm is None
@@ -516,8 +517,8 @@ def main(cfg: config.Config):
     save_final(accelerator, policy, tokenizer, cfg)
     logger.close()
     accelerator.wait_for_everyone()
-    if isinstance(rollout, HFRollout):  # a vLLM engine destroys the process group itself at exit
-        accelerator.end_training()
+    rollout.close()  # a vLLM engine destroys its process groups, and the launcher's
+    accelerator.end_training()  # the process group, where one is left
     return stop_reason
 
 

@@ -109,11 +109,15 @@ def varlen_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     p = packed_attention
-    q, k, v = (x[0][:, index].transpose(0, 1) for x, index in  # (1, H, N, D) → (G, H, W, D)
+    q, k, v = (x[0][:, index].transpose(0, 1) for x, index in  # (1, H or Hkv, N, D) → (G, H or Hkv, W, D)
                ((query, p["q_index"]), (key, p["k_index"]), (value, p["k_index"])))
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=p["mask"][:, None], dropout_p=dropout, scale=scaling,
-        enable_gqa=key.shape[1] != query.shape[1])  # (G, H, Wq, D)
+    # Grouped-query attention (Hkv < H): each KV head repeated for its H / Hkv query heads, as transformers does
+    # whenever it passes a mask. CUDA's flash kernel takes no mask and its memory-efficient one no enable_gqa, so a
+    # mask with enable_gqa=True falls to the math kernel, fp32 (G, H, Wq, Wk) scores in every layer (issue 22).
+    if (groups := query.shape[1] // key.shape[1]) > 1:
+        k, v = (x.repeat_interleave(groups, dim=1) for x in (k, v))  # (G, H, Wk, D)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=p["mask"][:, None], dropout_p=dropout,
+                                                           scale=scaling)  # (G, H, Wq, D)
     return out.transpose(1, 2)[p["q_valid"]][None], None  # (1, N, H, D), as transformers' attention functions return
 
 
@@ -251,8 +255,20 @@ def micro_batch(batch: dict, inds, device):
     return {k: v.to(device) for k, v in mb.items()}
 
 
-def split_micro(inds, lengths, size: int, max_tokens: int = 0):
-    """Split indices into micro-batches of `size` rows, or (max_tokens > 0) greedily by a token budget."""
+def same_count(count: int) -> int:
+    """The most micro-batches any process makes, on one process: its own count (see split_micro)."""
+    return count
+
+
+def split_micro(inds, lengths, size: int, max_tokens: int = 0, largest_count=same_count):
+    """Split indices into micro-batches of `size` rows, or (max_tokens > 0) greedily by a token budget.
+
+    By a budget each process would make its own number of micro-batches from its own lengths, and every forward is
+    a round of collectives (FSDP2's all-gathers, DDP's buffer broadcast): a process with fewer would leave the
+    others waiting forever (issue 22). So all make as many as the one that makes most, largest_count(own count)
+    (infra.distributed.max_over_processes, as verl all-reduces it), halving their largest micro-batches to get
+    there; every process holds as many rows, so there are enough.
+    """
     if max_tokens <= 0:
         return [inds[i:i + size] for i in range(0, len(inds), size)]
     order = sorted(inds.tolist(), key=lambda i: lengths[i])
@@ -263,7 +279,11 @@ def split_micro(inds, lengths, size: int, max_tokens: int = 0):
             cur, longest = [], 0
         cur.append(i)
         longest = max(longest, lengths[i])
-    return out + [torch.tensor(cur)]
+    out.append(torch.tensor(cur))
+    for _ in range(largest_count(len(out)) - len(out)):  # a part of a micro-batch stays within the budget
+        big = max(range(len(out)), key=lambda j: len(out[j]))
+        out[big:big + 1] = list(out[big].tensor_split(2))
+    return out
 
 
 def shared_inputs(mb: dict):
@@ -426,12 +446,13 @@ class Forward:
 
 
 @torch.no_grad()
-def per_token_pass(fn, batch, size, max_tokens, lengths, device):
-    """Run fn(micro-batch) over the batch without grad; reassemble its (b, tr) results as (B, Tr), or its dicts of
-    per-row tensors {key: (b, t, …)} each as (B, T, …), placed as micro_batch cut them (PROMPT_KEYS at the end of the
-    prompt columns, other keys at the start of the response columns)."""
+def per_token_pass(fn, batch, size, max_tokens, lengths, device, largest_count=same_count):
+    """Run fn(micro-batch) over the batch without grad (micro-batches as split_micro makes them); reassemble its
+    (b, tr) results as (B, Tr), or its dicts of per-row tensors {key: (b, t, …)} each as (B, T, …), placed as
+    micro_batch cut them (PROMPT_KEYS at the end of the prompt columns, other keys at the start of the response
+    columns)."""
     out = {}
-    for inds in split_micro(torch.arange(len(lengths)), lengths, size, max_tokens):
+    for inds in split_micro(torch.arange(len(lengths)), lengths, size, max_tokens, largest_count):
         result = fn(micro_batch(batch, inds, device))
         for key, part in (result.items() if isinstance(result, dict) else [(None, result)]):
             part, prompt = part.float().cpu(), key in PROMPT_KEYS

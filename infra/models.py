@@ -1,7 +1,7 @@
 """Every model the library builds, in one place: the actor (policy), the reference, the critic (value model) and the
-reward model's classifier, loaded from HF folders in fp32 (the master weights), with LoRA where asked and spread
-over the processes (infra/distributed.py); the tokenizer; the checks of a model folder before anything loads; and
-saving a model as an HF folder.
+reward model's classifier, loaded from HF folders in fp32 (the master weights; on a GPU the frozen reference in the
+compute dtype), with LoRA where asked and spread over the processes (infra/distributed.py); the tokenizer; the
+checks of a model folder before anything loads; and saving a model as an HF folder.
 
     policy, ref, critic = load_models(cfg, accelerator, fsdp, fwd, with_critic=True)      # ppo.py
 
@@ -14,7 +14,7 @@ import shutil
 
 import torch
 
-from infra.batches import use_varlen_attention
+from infra.batches import autocast_dtype, use_varlen_attention
 from infra.config import ConfigError
 from infra.distributed import describe, distribute
 from infra.trunk import describe_trunk, NoEmbedding, Replay
@@ -96,11 +96,19 @@ def check_model_folders(cfg_model, critic_path) -> None:
         check_model_path(critic_path, "critic.model_path")
 
 
-def load_reference(path: str):
-    """The frozen reference policy (eval mode, no gradients)."""
+def reference_dtype(device: torch.device, compute_dtype) -> torch.dtype:
+    """The frozen reference's weights: the compute dtype (model.dtype) on a GPU, half the memory of fp32, as verl loads
+    every model it does not train; fp32 on a CPU, where bf16 is slow and the tests compare fp32 runs. It only runs
+    forwards, so the one difference is rounding: under bf16 its residual stream is bf16 too, while the policy's fp32
+    master weights keep it fp32 under autocast, so kl/mean starts a little above 0."""
+    return compute_dtype if device.type == "cuda" and compute_dtype is not None else torch.float32
+
+
+def load_reference(path: str, dtype: torch.dtype = torch.float32):
+    """The frozen reference policy (eval mode, no gradients), in `dtype` (reference_dtype)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval().requires_grad_(False)
 
 
 def load_critic(path: str, trunk_layers: int = 0) -> torch.nn.Module:
@@ -175,7 +183,8 @@ def load_models(cfg, accelerator, fsdp, fwd, with_critic: bool):
     policy = distribute(load_policy(cfg.model), accelerator, fsdp, trainable=True)
     ref = critic = None
     if (cfg.algorithm.use_kl_in_reward or cfg.algorithm.use_kl_loss) and cfg.model.lora_rank == 0:
-        ref = distribute(load_reference(cfg.model.path), accelerator, fsdp, trainable=False)
+        dtype = reference_dtype(accelerator.device, autocast_dtype(cfg.model.dtype))
+        ref = distribute(load_reference(cfg.model.path, dtype), accelerator, fsdp, trainable=False)
     if with_critic:
         critic = load_critic(cfg.critic.model_path or cfg.model.path,
                              fwd.trunk.layers if fwd.trunk and fwd.trunk.critic else 0)
