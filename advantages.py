@@ -10,7 +10,9 @@ else the estimator's own. Adding an estimator: write one such function below and
 to NEEDS_CRITIC or COMPARES_SAMPLES when it needs a critic or compares the samples of a prompt); the name is then a
 valid `algorithm.adv_estimator`, checked at start-up.
 
-Conventions: every result is 0 on padding; whitening divides by the biased standard deviation (as
+Conventions: every result is 0 on padding and on gaps (response_mask 0 between real tokens, as tool output inside an
+agent's response makes them), which GAE and REINFORCE++ step over as verl does; whitening divides by the biased
+standard deviation (as
 lm-human-preferences; verl's masked_whiten divides by the unbiased one, a factor √(N/(N−1)) apart, which
 tests/test_crosscheck.py makes explicit); a response's return is the sum of its token rewards for the estimators
 that compare samples (ppo.py, departure 5).
@@ -48,20 +50,22 @@ def masked_whiten(x, mask, reduce_sum=None, eps=1e-8):
 
 
 def gae(rewards, response_mask, values, s: Settings):
-    """δ_t = r_t + γ·V_{t+1} − V_t ;  Â_t = δ_t + γλ·Â_{t+1} ;  R_t = Â_t + V_t   (Schulman et al., 2016)
+    """δ_t = r_t + γ·V_{t'} − V_t ;  Â_t = δ_t + γλ·Â_{t'} ;  R_t = Â_t + V_t   (Schulman et al., 2016)
 
-    V beyond the last real token is 0 (the episode ends at EOS or the length limit). Â whitened when s.whiten.
+    t' is the next real token after t: a gap inside the response (response_mask 0 between real tokens, e.g. tool
+    output) is skipped, its reward and value unread, V and Â carried over it (as verl 0.9.1's GAE). V beyond the last
+    real token is 0 (the episode ends at EOS or the length limit). Â whitened when s.whiten.
     """
-    values = values * response_mask
-    next_advantage = torch.zeros_like(rewards[:, 0])  # (B,)
+    next_value = torch.zeros_like(rewards[:, 0])  # (B,) V_{t'}
+    next_advantage = torch.zeros_like(rewards[:, 0])  # (B,) Â_{t'}
     advantages = torch.zeros_like(rewards)  # (B, Tr)
     for t in reversed(range(rewards.shape[1])):
-        next_value = values[:, t + 1] if t + 1 < rewards.shape[1] else torch.zeros_like(next_advantage)
+        real = response_mask[:, t].bool()  # (B,)
         delta = rewards[:, t] + s.gamma * next_value - values[:, t]
-        next_advantage = delta + s.gamma * s.lam * next_advantage
-        # padding neither earns advantage nor passes it back
-        next_advantage = next_advantage * response_mask[:, t]
+        next_advantage = torch.where(real, delta + s.gamma * s.lam * next_advantage, next_advantage)
+        next_value = torch.where(real, values[:, t], next_value)
         advantages[:, t] = next_advantage
+    advantages = advantages * response_mask
     returns = (advantages + values) * response_mask
     return (masked_whiten(advantages, response_mask, s.reduce_sum) if s.whiten else advantages), returns
 
@@ -88,12 +92,12 @@ def rloo(rewards, response_mask, values, s: Settings):
 
 
 def discounted_returns(rewards, response_mask, gamma: float):
-    """G_t = r_t + γ·G_{t+1} over the real tokens, (B, Tr); 0 on padding."""
-    rewards = rewards * response_mask
+    """G_t = r_t + γ·G_{t'} over the real tokens, t' the next real one (a gap is skipped, G carried over it, as verl
+    0.9.1's REINFORCE++), (B, Tr); 0 on padding and gaps."""
     returns = torch.zeros_like(rewards)  # (B, Tr)
     running = torch.zeros_like(rewards[:, 0])  # (B,)
     for t in reversed(range(rewards.shape[1])):
-        running = rewards[:, t] + gamma * running
+        running = torch.where(response_mask[:, t].bool(), rewards[:, t] + gamma * running, running)
         returns[:, t] = running
     return returns * response_mask
 
@@ -108,7 +112,28 @@ def reinforce_plus_plus(rewards, response_mask, values, s: Settings):
     return masked_whiten(returns, response_mask, s.reduce_sum), returns
 
 
+def reinforce_plus_plus_baseline(rewards, response_mask, values, s: Settings):
+    """REINFORCE++-baseline (Hu et al., 2025; verl's compute_reinforce_plus_plus_baseline_outcome_advantage):
+
+        R_i = Σ_t r_it ;  A_i = R_i − mean_g R     the mean over the n samples g of the prompt
+        Â_it = (A_i − μ) / σ                     μ, σ² over the real tokens of the GLOBAL batch (each token counts)
+    """
+    groups = rewards.sum(1).view(-1, s.n)  # (B/n, n)
+    centred = (groups - groups.mean(dim=1, keepdim=True)).reshape(-1, 1) * response_mask  # (B, Tr)
+    adv = masked_whiten(centred, response_mask, s.reduce_sum)
+    return adv, adv
+
+
+def varied_groups(scores, n: int):
+    """(B/n,) bool: the prompts whose n scores are not all equal. A group of equal scores has zero advantage under
+    every estimator that compares a prompt's samples, so DAPO's dynamic sampling (Yu et al., 2025, §3.2; verl's
+    algorithm.filter_groups, which keeps a group when the std of its scores is > 0) trains on the others only."""
+    groups = scores.view(-1, n)  # (B/n, n)
+    return (groups != groups[:, :1]).any(dim=1)
+
+
 # name → estimator; the sets say which need the critic's values and which compare the n samples of a prompt
-ESTIMATORS = {"gae": gae, "grpo": grpo, "rloo": rloo, "reinforce_plus_plus": reinforce_plus_plus}
+ESTIMATORS = {"gae": gae, "grpo": grpo, "rloo": rloo, "reinforce_plus_plus": reinforce_plus_plus,
+              "reinforce_plus_plus_baseline": reinforce_plus_plus_baseline}
 NEEDS_CRITIC = {"gae"}
-COMPARES_SAMPLES = {"grpo", "rloo"}
+COMPARES_SAMPLES = {"grpo", "rloo", "reinforce_plus_plus_baseline"}

@@ -35,6 +35,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from infra.config import ConfigError
+from infra.distributed import max_over_processes
 from rollout import right_pad, Rollout
 
 # ---------------------------------------------------------------------------------------
@@ -242,6 +243,9 @@ class AgentRollout:
     def sync_weights(self, model) -> None:
         self.backend.sync_weights(model)
 
+    def close(self) -> None:
+        self.backend.close()
+
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int, temperature: float, seed: Optional[int] = None) -> Rollout:
         s = self.s
@@ -340,18 +344,11 @@ def check_multi_turn(cfg_rollout, tokenizer) -> Optional[TurnSettings]:
                         m.tool_timeout, m.max_tool_response_length)
 
 
-def with_tools(backend, cfg_rollout, tokenizer, accelerator):
+def with_tools(backend, cfg_rollout, tokenizer):
     """`backend` itself, or with rollout.multi_turn on, an AgentRollout around it whose turns are counted over
     every process."""
     settings = check_multi_turn(cfg_rollout, tokenizer)
-    if settings is None:
-        return backend
-
-    def reduce_max(x: int) -> int:
-        if accelerator.num_processes == 1:
-            return x
-        return int(accelerator.reduce(torch.tensor(x, device=accelerator.device), "max").item())
-    return AgentRollout(backend, tokenizer, settings, reduce_max)
+    return backend if settings is None else AgentRollout(backend, tokenizer, settings, max_over_processes)
 
 
 def with_conversations(rows: list[dict], ro: Rollout) -> list[dict]:

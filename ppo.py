@@ -2,6 +2,7 @@
 
     accelerate launch ppo.py --config configs.yaml                          # the demo, CPU or GPU
     accelerate launch ppo.py --config configs.yaml trainer.total_steps=20 algorithm.adv_estimator=grpo
+    accelerate launch ppo.py --config recipes/dapo.yaml                     # a recipe: its changes to the defaults
     accelerate launch --config_file accelerate_configs/ddp_cpu.yaml --num_processes 2 ppo.py --config configs.yaml
     accelerate launch --config_file accelerate_configs/fsdp2.yaml --num_processes 2 ppo.py --config configs.yaml
     python ppo.py --help                                                    # every config key
@@ -16,7 +17,7 @@ How this departs from the textbook (Schulman et al., 2017; Ziegler et al., 2019)
    the optional KL penalty at every token.
 2. old_logprobs are recomputed by the training model, never taken from the sampler: vLLM's
    kernels and precision differ slightly. The gap is logged (rollout/*) and can be corrected by
-   truncated importance sampling (algorithm.rollout_is).
+   truncated importance sampling (algorithm.rollout_is) or by leaving the farthest samples out (algorithm.rollout_rs).
 3. With one PPO epoch, one mini-batch and no KL in the reward, the batch is used once while the
    weights are still those that sampled it: old_logprobs = logprobs.detach() from the update's own
    forward, saving a whole forward pass. The ratio is then exactly 1, as it must be.
@@ -24,6 +25,11 @@ How this departs from the textbook (Schulman et al., 2017; Ziegler et al., 2019)
    processes, so gradient accumulation and the number of processes do not change the gradient.
 5. GRPO/RLOO take a response's return as the sum of its token rewards (the score, minus the KL
    penalty when use_kl_in_reward), and spread one advantage over all its tokens.
+6. Dynamic sampling (algorithm.filter_groups, DAPO) fills each process's share of the batch from that process's own
+   rounds; every process runs as many rounds as the one that needs most, so all stay in step and in the data order
+   (verl, with one controller, pools the kept prompts of the whole batch).
+7. A rollback (trainer.rollback_tolerance) restores best/'s weights, optimiser states and β, but not the step, the
+   data position, the LR schedule or the RNG: the run goes on with new prompts instead of replaying the same steps.
 
 Shapes: B sequences on this process (prompts × n), Tq prompt length, Tr response length, V vocab.
 
@@ -35,10 +41,12 @@ The batch, a dict of tensors with one row per sequence, filled step by step (mic
     old_logprobs                 (B, Tr)  4. the policy's before the update; absent under departure 3
     ref_logprobs                 (B, Tr)  4. the reference's; absent without a KL term (reward or loss)
     old_values                   (B, Tr)  4. the critic's; absent without a critic
+    trunk_prompt, trunk_response (B, Tq, H), (B, Tr, H)  4. the frozen trunk's output (infra/trunk.py); absent without
     advantages, returns          (B, Tr)  6. returns are the critic's targets
+    loss_mask                    (B, Tr)  6. the tokens the policy loss sees: response_mask less the responses that
+                                             reward.overlong_filter drops and the tokens algorithm.rollout_rs rejects
 """
 import functools
-import os
 import signal
 import sys
 import time
@@ -56,22 +64,23 @@ import advantages
 import agent
 import judge
 import kl
-from advantages import COMPARES_SAMPLES, masked_mean, NEEDS_CRITIC
+from advantages import COMPARES_SAMPLES, masked_mean, NEEDS_CRITIC, varied_groups
 from critic import explained_variance, value_loss
 from infra import cli, config
 from infra.batches import autocast_dtype, batch_layout, Forward, micro_batch, per_token_pass, split_micro
-from infra.config import ConfigError, exact_div
-from infra.distributed import fsdp_from_launcher, full_state_dict
-from infra.metrics import (check_loggers, console_line, MetricsLogger, plot_curves, reduce_metrics, sample_table,
-                           sum_over_processes, timed, wandb_resume_id)
-from infra.models import check_model_folders, load_models, load_tokenizer, save_pretrained_atomic
-from infra.optim import make_optimizer, restore_schedule, train_step
-from infra.runs import resume_or_start, save_checkpoint, start_run, StopSignal
+from infra.config import check_combinations, check_sizes, ConfigError
+from infra.distributed import fsdp_from_launcher, max_over_processes, use_cpu
+from infra.metrics import check_loggers, console_line, reduce_metrics, sample_table, sum_over_processes, timed
+from infra.models import check_model_folders, load_models, load_tokenizer
+from infra.optim import make_optimizer, train_step
+from infra.runs import keep_best, resume, save_checkpoint, save_final, start_run, StopSignal, TrainState
+from infra.trunk import plan_trunk
 from kl import KLController, kl_estimate, kl_penalty_rewards
-from losses import agg_loss, Clip, Counts, POLICY_LOSSES, rollout_is_weights
+from losses import agg_loss, Clip, Counts, POLICY_LOSSES, rejection_mask, rollout_is_weights
 from data import load_prompts
-from rewards import check_data_sources, check_reward_inputs, score_on_every_process, Scorer
-from rollout import cut_off, HFRollout, left_pad, make_rollout, Rollout
+from rewards import (check_data_sources, check_reward_inputs, decode_responses, overlong_reward,
+                     score_on_every_process, Scorer, validate)
+from rollout import cut_off, HFRollout, left_pad, make_rollout, Samples
 
 CONSOLE_KEYS = ["score/mean", "reward/mean", "kl/mean", "policy/entropy", "policy/clipfrac", "loss/policy",
                 "loss/value", "value/explained_var", "response/length_mean", "val/score/mean", "val/rule_score/mean",
@@ -83,34 +92,35 @@ CONSOLE_KEYS = ["score/mean", "reward/mean", "kl/mean", "policy/entropy", "polic
 
 @dataclass(frozen=True)
 class ActorLoss:
-    """Policy loss (× truncated rollout importance weight) − entropy bonus + KL loss: a micro-batch's share of the
-    mini-batch's loss (counts: departure 4), and its metrics."""
+    """Policy loss (× truncated rollout importance weight) − entropy bonus + KL loss over the tokens of loss_mask: a
+    micro-batch's share of the mini-batch's loss (counts: departure 4), and its metrics."""
     fwd: Forward
     policy_loss: Callable  # losses.POLICY_LOSSES[actor.policy_loss]
     clip: Clip
     loss_agg_mode: str
+    loss_scale_factor: float  # seq-mean-token-sum-norm's constant L
     entropy_coef: float
     use_kl_loss: bool
     kl_loss_coef: float
     kl_loss_type: str
-    rollout_is: str  # off, token or sequence
+    rollout_is: str  # off, token, sequence or sequence_mean
     rollout_is_threshold: float
 
     @classmethod
     def from_config(cls, cfg, fwd: Forward):
         a, alg = cfg.actor, cfg.algorithm
         return cls(fwd, POLICY_LOSSES[a.policy_loss], Clip(a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c),
-                   a.loss_agg_mode, a.entropy_coef, alg.use_kl_loss, alg.kl_loss_coef, alg.kl_loss_type,
-                   alg.rollout_is, alg.rollout_is_threshold)
+                   a.loss_agg_mode, a.loss_scale_factor or cfg.rollout.max_response_length, a.entropy_coef,
+                   alg.use_kl_loss, alg.kl_loss_coef, alg.kl_loss_type, alg.rollout_is, alg.rollout_is_threshold)
 
     def __call__(self, policy, micro: dict, counts: Counts):
-        mask = micro["response_mask"].float()
+        mask = micro["loss_mask"].float()
         logprobs, entropy = self.fwd.logprobs(policy, micro, with_entropy=True)  # (B, Tr) each
         old_logprobs = micro["old_logprobs"] if "old_logprobs" in micro else logprobs.detach()  # departure 3
         pg, clipped = self.policy_loss(logprobs, old_logprobs, micro["advantages"], mask, self.clip)  # (B, Tr) each
         metrics = {}
         if "rollout_logprobs" in micro:  # departure 2: how far the sampler was from the training model
-            level = "sequence" if self.rollout_is == "sequence" else "token"  # off: token weights, logged only
+            level = "token" if self.rollout_is == "off" else self.rollout_is  # off: token weights, logged only
             is_weight = rollout_is_weights(old_logprobs, micro["rollout_logprobs"], mask, level,
                                            self.rollout_is_threshold)  # (B, Tr)
             if self.rollout_is != "off":
@@ -132,7 +142,7 @@ class ActorLoss:
                         "policy/approx_kl": masked_mean(kl_estimate(old_logprobs, logprobs.detach(), "k3"),
                                                         mask).item(),
                         "policy/entropy": masked_mean(entropy.detach(), mask).item()})
-        return agg_loss(loss, mask, self.loss_agg_mode, counts), metrics
+        return agg_loss(loss, mask, self.loss_agg_mode, counts, self.loss_scale_factor), metrics
 
 
 @dataclass(frozen=True)
@@ -158,108 +168,94 @@ class Update:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     loss: Callable  # (model, micro-batch, Counts) → (loss, metrics): ActorLoss or CriticLoss
+    mask: str  # the batch's mask of the tokens its loss sees: loss_mask (actor) or response_mask (critic)
     micro_size: int  # sequences per forward/backward
     max_grad_norm: float
 
 
-def mini_batch_counts(response_mask, accelerator) -> Counts:
-    """The tokens and sequences of a mini-batch, averaged over processes: what its loss is normalised by. The mean,
-    not the sum, because DDP and FSDP2 average the processes' gradients (departure 4)."""
-    counts = torch.tensor([float(response_mask.sum()), float(len(response_mask))], device=accelerator.device)
+def mini_batch_counts(mask, accelerator) -> Counts:
+    """The tokens (at least 1) and sequences of a mini-batch, averaged over processes: what its loss is normalised by.
+    The mean, not the sum, because DDP and FSDP2 average the processes' gradients (departure 4)."""
+    counts = torch.tensor([max(float(mask.sum()), 1.0), float(len(mask))], device=accelerator.device)
     return Counts(*(accelerator.reduce(counts, "sum") / accelerator.num_processes).tolist())
 
 
 # ---------------------------------------------------------------------------------------
-# The run's state and sizes
-
-
-class TrainState:
-    """What a checkpoint needs beyond weights and optimiser states, as plain data: the step, the data
-    position, β, recent KL, and how far each LR schedule has gone."""
-
-    def __init__(self, kl_ctrl: KLController, schedulers: dict):
-        self.step, self.epoch, self.position, self.skipped, self.kl_ctrl = 0, 0, 0, 0, kl_ctrl
-        self.recent_kl = []  # kl/mean of the last trainer.max_kl_window steps, for the guard
-        self.schedulers = {name: s for name, s in schedulers.items() if s is not None}
-
-    def state_dict(self):
-        return {"step": self.step, "epoch": self.epoch, "position": self.position, "skipped": self.skipped,
-                "kl_coef": self.kl_ctrl.value, "recent_kl": self.recent_kl,
-                "lr_steps": {name: s.last_epoch for name, s in self.schedulers.items()}}
-
-    def load_state_dict(self, s):
-        self.step, self.epoch, self.position, self.skipped = s["step"], s["epoch"], s["position"], s["skipped"]
-        self.kl_ctrl.value, self.recent_kl = s["kl_coef"], s["recent_kl"]
-        for name, scheduler in self.schedulers.items():
-            restore_schedule(scheduler, s["lr_steps"][name])
-
-
-def next_prompts(state: TrainState, num_rows: int, batch_size: int, seed: int, shuffle: bool):
-    """The next `batch_size` row indices of a seeded per-epoch permutation (the last partial batch is dropped)."""
-    if state.position + batch_size > num_rows:
-        state.epoch, state.position = state.epoch + 1, 0
-    order = (torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + state.epoch))
-             if shuffle else torch.arange(num_rows))
-    inds = order[state.position:state.position + batch_size].tolist()
-    state.position += batch_size
-    return inds
-
-
-def decode_responses(tokenizer, ro: Rollout) -> list[str]:
-    """The text each response is scored on: its tokens, or with multi-turn its last assistant turn (agent.py)."""
-    if ro.conversations is not None:
-        return [c["turns"][-1]["content"] for c in ro.conversations]
-    return tokenizer.batch_decode([r[m.bool()].tolist() for r, m in zip(ro.responses, ro.response_mask)],
-                                  skip_special_tokens=True)
-
-
-@torch.no_grad()
-def validate(cfg, rollout, tokenizer, scorer, val_rows, accelerator) -> dict:
-    """One response per validation prompt (greedy by default), scored: Scorer.validation_metrics."""
-    mine = val_rows[accelerator.process_index::accelerator.num_processes]
-    ro = rollout.generate([r["prompt_ids"] for r in mine], n=1, temperature=cfg.rollout.val_temperature)
-    texts = decode_responses(tokenizer, ro)
-    sources = sorted({r["data_source"] for r in val_rows})
-    metrics = scorer.validation_metrics(agent.with_conversations(mine, ro), texts, sources, accelerator)
-    turn_metrics = reduce_metrics(accelerator, ro.metrics) if ro.metrics else {}  # agent/*: multi-turn only
-    return {**metrics, **{f"val/{k}": v for k, v in turn_metrics.items()}}
+# Steps 1–3: prompts → responses → scores, and DAPO's dynamic sampling over them
 
 
 @dataclass(frozen=True)
-class Sizes:
-    """Batch sizes derived from the config, computed and checked once (check_sizes); per process unless said."""
-    prompts: int  # prompts per step
-    batch: int  # B: sequences per step (prompts × rollout.n)
-    num_mini: int  # mini-batches (optimiser steps) per PPO epoch, the same on every process
-    mini: int  # sequences per mini-batch
-    actor_micro: int  # sequences per actor forward/backward (gradient accumulation fills the mini-batch)
-    critic_micro: int  # sequences per critic forward/backward
+class Sampler:
+    """Steps 1–3: prompts in the data order, n responses each, decoded, scored on every process, and the score shaped
+    for length (reward.overlong_penalty; DAPO's soft punishment, rewards.overlong_reward); with dynamic sampling, in
+    rounds (departure 6). Bound once (main)."""
+    rollout: object  # rollout.HFRollout or rollout.VLLMRollout, or agent.AgentRollout around one
+    tokenizer: object
+    scorer: Scorer
+    accelerator: Accelerator
+    cfg: config.Config
+    prompts: int  # this process's prompts per step (Sizes.prompts)
+
+    def batch(self, state, train_rows: list, step: int, times: dict) -> tuple[Samples, dict]:
+        """This process's prompts × n samples for `step`, and the metrics of their rounds. With
+        algorithm.filter_groups a round keeps only the prompts whose n scores differ (advantages.varied_groups), and
+        rounds go on until every process has its share; the first ones kept make the batch."""
+        t, fg, n = self.cfg.trainer, self.cfg.algorithm.filter_groups, self.cfg.rollout.n
+        rank, world = self.accelerator.process_index, self.accelerator.num_processes
+        kept, metrics, rounds = [], defaultdict(list), 0  # kept: Samples of the prompts kept, one per round
+        while rounds == 0 or (fg.enable and groups_short(kept, self.prompts, n, self.accelerator)):
+            if rounds == fg.max_num_gen_batches:
+                short = groups_short(kept, self.prompts, n, self.accelerator)
+                raise ConfigError(f"algorithm.filter_groups: after {rounds} rounds of {self.cfg.data.train_batch_size} "
+                                  f"prompts a process still lacks {short} of its {self.prompts} prompts whose samples "
+                                  f"score differently (the data is too easy or too hard for this policy); raise "
+                                  f"algorithm.filter_groups.max_num_gen_batches")
+            # ---- 1. sample prompts: one global batch from a seeded permutation, this process's slice of it
+            inds = state.next_prompts(len(train_rows), self.cfg.data.train_batch_size, t.seed, self.cfg.data.shuffle)
+            mine = [train_rows[i] for i in inds[rank * self.prompts:(rank + 1) * self.prompts]]
+            # ---- 2–3. generate n responses per prompt, score them
+            got, reward_metrics = self(mine, step_seed(t.seed, step, rank + rounds * world), times)
+            varied = varied_groups(got.scores, n) if fg.enable else torch.ones(len(mine), dtype=torch.bool)  # (B/n,)
+            kept.append(got.take(varied.repeat_interleave(n).nonzero()[:, 0].tolist()))
+            for key, value in {**reward_metrics, "sampling/varied_frac": varied.float().mean().item()}.items():
+                metrics[key].append(value)  # a mean over rounds
+            rounds += 1
+        samples = Samples.cat(kept, self.tokenizer.pad_token_id).take(list(range(self.prompts * n)))
+        return samples, {**metrics, "sampling/rounds": rounds}
+
+    def __call__(self, prompt_rows: list, seed: int, times: dict) -> tuple[Samples, dict]:
+        """Steps 2 and 3 for these prompts."""
+        ro_cfg, r, n = self.cfg.rollout, self.cfg.reward, self.cfg.rollout.n
+        with timed(times, "time/gen_s"):
+            ro = self.rollout.generate([row["prompt_ids"] for row in prompt_rows], n, ro_cfg.temperature, seed=seed)
+        rows = [row for row in prompt_rows for _ in range(n)]  # row i·n + j: sample j of prompt i
+        rows = agent.with_conversations(rows, ro)  # multi-turn: the reward reads each conversation
+        with timed(times, "time/reward_s"):
+            texts = decode_responses(self.tokenizer, ro)
+            scores, metrics = score_on_every_process(self.scorer, rows, texts, self.accelerator)  # (B,)
+            if self.scorer.judge_answers:  # reward.type=judge: its raw answers, for the sample table
+                rows = [{**row, "judge_answer": answer} for row, answer in zip(rows, self.scorer.judge_answers)]
+            lengths = (ro.response_mask if ro.attention_mask is None else ro.attention_mask).sum(1)  # (B,) EOS,
+            # and the tool answers between turns, included
+            truncated = cut_off(ro.responses, lengths, ro_cfg.max_response_length, self.rollout.eos_ids)  # (B,)
+            scores = scores + r.overlong_penalty * truncated.float()
+            if r.overlong_buffer_len:
+                scores = scores + overlong_reward(lengths, ro_cfg.max_response_length, r.overlong_buffer_len,
+                                                  r.overlong_penalty_factor)
+        return (Samples(rows, ro.responses, ro.response_mask, ro.logprobs, texts, scores, truncated, ro.attention_mask),
+                {**metrics, **ro.metrics})
 
 
-def check_sizes(cfg, world: int, num_rows: int) -> Sizes:
-    """Every derived batch size; one that does not divide fails here with a sentence, before any model loads."""
-    d, a, n = cfg.data, cfg.actor, cfg.rollout.n
-    if cfg.algorithm.adv_estimator in COMPARES_SAMPLES and n < 2:
-        raise ConfigError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares the samples of a "
-                                 f"prompt: set rollout.n ≥ 2 (it is {n})")
-    if num_rows < d.train_batch_size:
-        raise ConfigError(f"data.train_files has {num_rows} usable prompts, fewer than "
-                                 f"data.train_batch_size={d.train_batch_size}")
-    prompts = exact_div(d.train_batch_size, world, "data.train_batch_size across processes")
-    num_mini = exact_div(d.train_batch_size, a.ppo_mini_batch_size,
-                         "data.train_batch_size by actor.ppo_mini_batch_size (prompts per mini-batch)")
-    mini = exact_div(a.ppo_mini_batch_size * n, world, "actor.ppo_mini_batch_size × rollout.n across processes")
-    actor_micro = min(a.ppo_micro_batch_size_per_device, mini)
-    exact_div(mini, actor_micro, "sequences per mini-batch on one process by actor.ppo_micro_batch_size_per_device")
-    critic_micro = min(cfg.critic.ppo_micro_batch_size_per_device, mini)
-    exact_div(mini, critic_micro, "sequences per mini-batch on one process by critic.ppo_micro_batch_size_per_device")
-    return Sizes(prompts, prompts * n, num_mini, mini, actor_micro, critic_micro)
+def groups_short(kept: list, need: int, n: int, accelerator) -> int:
+    """The prompts still missing on the process that lacks most (the same number on every process)."""
+    have = sum(len(samples.rows) for samples in kept) // n
+    return int(accelerator.reduce(torch.tensor(float(max(need - have, 0)), device=accelerator.device), "max").item())
 
 
 def step_seed(seed: int, step: int, stream: int) -> int:
     """The seed of one random stream of one step: seed·100_003 + step·1_009 + stream, with two primes so that no
-    two (seed, step) pairs give the same number. stream: the process index for sampling, −1 for the mini-batch
-    order (the same on every process)."""
+    two (seed, step) pairs give the same number. stream: the process index + round × processes for sampling (round:
+    dynamic sampling's, 0 without), −1 for the mini-batch order (the same on every process)."""
     return seed * 100_003 + step * 1_009 + stream
 
 
@@ -278,19 +274,6 @@ def set_train_mode(models: list, on: bool) -> None:
     for model in models:
         if model is not None:
             model.train(on)
-
-
-def resume(accelerator, cfg, checkpoint, checkpointed: dict, state: TrainState):
-    """The run's MetricsLogger; from a checkpoint (start_run's, or None), the models and optimisers of
-    `checkpointed` ({name: (model, optimiser)}) and `state` restored."""
-    t = cfg.trainer
-    logger = MetricsLogger(t.output_dir, t.logger, cli.to_dict(cfg), t.project_name, t.experiment_name,
-                           accelerator.is_main_process, resume_id=wandb_resume_id(checkpoint))
-    saved_state = resume_or_start(accelerator, checkpoint, t.output_dir, logger, cfg, checkpointed)
-    if checkpoint:
-        state.load_state_dict(saved_state)
-        accelerator.print(f"resumed from {checkpoint} at step {state.step}")
-    return logger
 
 
 def batch_metrics(scores, token_rewards, lengths, truncated) -> dict:
@@ -314,22 +297,9 @@ def guards(t, recent_kl: list, entropy: Optional[float]) -> tuple[Optional[str],
     return stop, warning
 
 
-def save_final(accelerator, policy, tokenizer, cfg) -> None:
-    """The policy in HF format in output_dir/final (with LoRA: the adapter), and curves.png from metrics.jsonl."""
-    t = cfg.trainer
-    final, metrics_path = os.path.join(t.output_dir, "final"), os.path.join(t.output_dir, "metrics.jsonl")
-    state_dict = full_state_dict(policy)  # every process takes part in gathering the shards
-    if accelerator.is_main_process:
-        save_pretrained_atomic(accelerator.unwrap_model(policy), tokenizer, final, state_dict)
-        accelerator.print(f"policy saved to {final}" + (f"; merge the adapter with: python tools/merge_lora.py {final} "
-                                                        f"{t.output_dir}/merged" if cfg.model.lora_rank else ""))
-        if t.plot_curves and os.path.exists(metrics_path):
-            plot_curves(metrics_path, os.path.join(t.output_dir, "curves.png"))  # the panels of metrics.CURVE_KEYS
-
-
 def check_names(cfg) -> None:
     """Each name that picks a function from a stage's table is in it: an unknown one fails here, before anything
-    loads, never silently picking another."""
+    loads, never silently picking another; an estimator that compares a prompt's samples has more than one."""
     for key, name, table in (("algorithm.adv_estimator", cfg.algorithm.adv_estimator, advantages.ESTIMATORS),
                              ("actor.policy_loss", cfg.actor.policy_loss, POLICY_LOSSES),
                              ("algorithm.kl_penalty", cfg.algorithm.kl_penalty, kl.ESTIMATORS),
@@ -338,12 +308,32 @@ def check_names(cfg) -> None:
                              ("reward.judge.parser", cfg.reward.judge.parser, judge.PARSERS)):
         if name not in table:
             raise ConfigError(f"{key}={name!r} is not one of {', '.join(table)}")
+    if cfg.algorithm.adv_estimator in COMPARES_SAMPLES and cfg.rollout.n < 2:
+        raise ConfigError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares the samples of a prompt: "
+                          f"set rollout.n ≥ 2 (it is {cfg.rollout.n})")
+
+
+def policy_loss_mask(batch: dict, truncated, cfg) -> tuple[torch.Tensor, dict]:
+    """loss_mask (B, Tr): response_mask less the responses cut off at rollout.max_response_length
+    (reward.overlong_filter, DAPO's overlong filtering) and less the tokens, or responses, whose sampler/trainer
+    ratio leaves algorithm.rollout_rs's band (losses.rejection_mask); and the share of real tokens rejected."""
+    alg, response_mask = cfg.algorithm, batch["response_mask"].float()
+    loss_mask, metrics = response_mask, {}
+    if cfg.reward.overlong_filter:
+        loss_mask = loss_mask * (~truncated).float()[:, None]
+    if alg.rollout_rs != "off":
+        kept = rejection_mask(batch["old_logprobs"], batch["rollout_logprobs"], response_mask, alg.rollout_rs,
+                              alg.rollout_rs_threshold_lower or 1 / alg.rollout_rs_threshold, alg.rollout_rs_threshold)
+        metrics["rollout/rs_rejected_frac"] = 1 - masked_mean(kept, response_mask).item()
+        loss_mask = loss_mask * kept
+    return loss_mask, metrics
 
 
 def main(cfg: config.Config):
     check_names(cfg)
+    check_combinations(cfg)
     needs_critic = cfg.algorithm.adv_estimator in NEEDS_CRITIC
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())  # on a CPU, launched processes join over gloo
+    accelerator = Accelerator(cpu=use_cpu())  # on a CPU, launched processes join over gloo
     print0 = functools.partial(accelerator.print, flush=True)  # rank 0 only; flushed even into a pipe
     # before anything loads: output_dir is this run's alone, a checkpoint fits this config, the inputs exist
     lock, resume_from, finished = start_run(accelerator, cfg, "trainer",  # the lock is held until the process ends
@@ -368,8 +358,9 @@ def main(cfg: config.Config):
     n, B = cfg.rollout.n, sizes.batch
 
     # ---- models (infra/models.py builds them all): actor, reference, critic; optimisers after sharding
-    fwd = Forward(cfg.rollout.temperature or 1.0, dtype, batch_layout(cfg.model, sharded=fsdp is not None))
-    policy, ref, critic = load_models(cfg, accelerator, fsdp, fwd.layout, with_critic=needs_critic)
+    fwd = Forward(cfg.rollout.temperature or 1.0, dtype, batch_layout(cfg.model, sharded=fsdp is not None),
+                  plan_trunk(cfg, with_critic=needs_critic))  # the frozen layers below the adapters, or None
+    policy, ref, critic = load_models(cfg, accelerator, fsdp, fwd, with_critic=needs_critic)
     actor_opt, actor_sched = make_optimizer(policy, cfg.actor.optim, t.total_steps)
     critic_opt, critic_sched = make_optimizer(critic, cfg.critic.optim, t.total_steps) if critic else (None, None)
     scorer = Scorer(cfg.reward, device, dtype)  # a reward model is replicated: it only runs forward passes
@@ -377,12 +368,14 @@ def main(cfg: config.Config):
     # ---- state, resume
     state = TrainState(KLController(alg.kl_ctrl.type, alg.kl_ctrl.kl_coef, alg.kl_ctrl.target_kl,
                                     alg.kl_ctrl.horizon), {"actor": actor_sched, "critic": critic_sched})
-    checkpointed = {"policy": (policy, actor_opt)}  # {name: (model, optimiser)} saved beside state.json
-    if critic is not None:
-        checkpointed["critic"] = (critic, critic_opt)
+    checkpointed = {"policy": (policy, actor_opt),  # {name: (model, optimiser)} saved beside state.json
+                    **({"critic": (critic, critic_opt)} if critic is not None else {})}
     logger = resume(accelerator, cfg, resume_from, checkpointed, state)
     engine = make_rollout(cfg, policy, tokenizer, accelerator, dtype, synced_forwards=fsdp is not None)
-    rollout = agent.with_tools(engine, cfg.rollout, tokenizer, accelerator)  # turns with tool calls, when enabled
+    if isinstance(engine, HFRollout) and (alg.rollout_is, alg.rollout_rs) != ("off", "off"):  # vLLM failed to load
+        raise ConfigError("algorithm.rollout_is / rollout_rs need the sampler's logprobs: repair vLLM (see above)")
+    rollout = agent.with_tools(engine, cfg.rollout, tokenizer)  # turns with tool calls, when enabled
+    sample = Sampler(rollout, tokenizer, scorer, accelerator, cfg, sizes.prompts)  # steps 1–3
     reduce_sum = functools.partial(sum_over_processes, accelerator)
     max_tokens = cfg.actor.max_token_len_per_device if cfg.actor.use_dynamic_bsz else 0  # 0: micro-batches by count
 
@@ -390,10 +383,10 @@ def main(cfg: config.Config):
     estimate = advantages.ESTIMATORS[alg.adv_estimator]
     adv_settings = advantages.Settings(alg.gamma, alg.lam, n, alg.norm_adv_by_std_in_grpo, alg.whiten_advantages,
                                        reduce_sum)
-    actor_update = Update("actor", policy, actor_opt, actor_sched, ActorLoss.from_config(cfg, fwd), sizes.actor_micro,
-                          cfg.actor.max_grad_norm)
+    actor_update = Update("actor", policy, actor_opt, actor_sched, ActorLoss.from_config(cfg, fwd), "loss_mask",
+                          sizes.actor_micro, cfg.actor.max_grad_norm)
     critic_update = critic and Update("critic", critic, critic_opt, critic_sched,
-                                      CriticLoss(fwd, cfg.critic.cliprange_value, cfg.critic.vf_coef),
+                                      CriticLoss(fwd, cfg.critic.cliprange_value, cfg.critic.vf_coef), "response_mask",
                                       sizes.critic_micro, cfg.critic.max_grad_norm)
 
     if t.val_before_train and val_rows and state.step == 0:
@@ -404,45 +397,34 @@ def main(cfg: config.Config):
     bar = tqdm(range(state.step + 1, t.total_steps + 1), disable=not accelerator.is_main_process,
                desc="ppo", dynamic_ncols=True)
     for step in bar:
-        times, metrics = {}, {}
-        t0 = time.perf_counter()
+        times, t0 = {}, time.perf_counter()
 
-        # ---- 1. sample prompts: one global batch from a seeded permutation, this process's slice of it
-        inds = next_prompts(state, len(train_rows), cfg.data.train_batch_size, t.seed, cfg.data.shuffle)
-        mine = inds[accelerator.process_index * sizes.prompts:(accelerator.process_index + 1) * sizes.prompts]
-        rows = [train_rows[i] for i in mine for _ in range(n)]  # row i·n + j: sample j of prompt i
-
-        # ---- 2. generate n responses per prompt
-        with timed(times, "time/gen_s"):
-            ro = rollout.generate([train_rows[i]["prompt_ids"] for i in mine], n, cfg.rollout.temperature,
-                                  seed=step_seed(t.seed, step, accelerator.process_index))
+        # ---- 1–3. sample prompts, generate n responses each, score them (Sampler.batch); with algorithm.filter_groups
+        # (DAPO's dynamic sampling) in rounds, until every process holds its share of prompts whose scores differ
+        samples, metrics = sample.batch(state, train_rows, step, times)
+        rows, texts, scores, truncated = samples.rows, samples.texts, samples.scores, samples.truncated  # (B,) each
         queries, query_mask = left_pad([r["prompt_ids"] for r in rows], tokenizer.pad_token_id)  # (B, Tq)
-        responses, response_mask = ro.responses, ro.response_mask  # (B, Tr)
-        lengths = (response_mask if ro.attention_mask is None else ro.attention_mask).sum(1)  # (B,) tool tokens too
+        response_mask = samples.response_mask  # (B, Tr)
+        real = response_mask if samples.attention_mask is None else samples.attention_mask  # (B, Tr) tool tokens too
+        lengths = real.sum(1)  # (B,) response tokens, the EOS (and with multi-turn the tool answers) included
         tok_lengths = (query_mask.sum(1) + lengths).tolist()  # (B,) real tokens: micro-batches by token budget
-        batch = dict(queries=queries, query_mask=query_mask, responses=responses, response_mask=response_mask)
-        if ro.attention_mask is not None:
-            batch["response_attention_mask"] = ro.attention_mask  # (B, Tr)
-        rows = agent.with_conversations(rows, ro)  # the reward reads each conversation
-        if ro.logprobs is not None:
-            batch["rollout_logprobs"] = ro.logprobs  # (B, Tr) the sampler's
-
-        # ---- 3. score: the task reward of each response
-        with timed(times, "time/reward_s"):
-            texts = decode_responses(tokenizer, ro)
-            scores, reward_metrics = score_on_every_process(scorer, rows, texts, accelerator)  # (B,)
-            judged = scorer.judge_answers or [""] * B  # the judge's raw answers (reward.type=judge), for the table
-            truncated = cut_off(responses, lengths, cfg.rollout.max_response_length, rollout.eos_ids)  # (B,)
-            scores = scores + cfg.reward.overlong_penalty * truncated.float()
-        metrics.update({**reward_metrics, **ro.metrics})
+        batch = dict(queries=queries, query_mask=query_mask, responses=samples.responses, response_mask=response_mask)
+        if samples.attention_mask is not None:
+            batch["response_attention_mask"] = samples.attention_mask  # (B, Tr)
+        if samples.rollout_logprobs is not None:
+            batch["rollout_logprobs"] = samples.rollout_logprobs  # (B, Tr) the sampler's
 
         # ---- 4. old/ref logprobs and values: no grad, micro-batched, in eval mode (set_train_mode says why)
         set_train_mode([policy, critic], False)
         no_grad_pass = functools.partial(per_token_pass, batch=batch, max_tokens=max_tokens, lengths=tok_lengths,
-                                         size=cfg.actor.log_prob_micro_batch_size_per_device, device=device)
-        # departure 3: with one epoch of one mini-batch and no KL in the reward, ActorLoss takes old_logprobs from
-        # the update's own forward instead
-        if cfg.actor.ppo_epochs > 1 or sizes.num_mini > 1 or alg.use_kl_in_reward:
+                                         size=cfg.actor.log_prob_micro_batch_size_per_device, device=device,
+                                         largest_count=max_over_processes)  # as many forwards on every process
+        if fwd.trunk is not None:  # issue 25: the frozen layers once per sequence; the forwards below start above them
+            with timed(times, "time/trunk_s"):
+                batch.update(no_grad_pass(lambda micro: fwd.trunk_states(policy, micro)))  # (B, Tq, H), (B, Tr, H)
+        # departure 3: with one epoch of one mini-batch, no KL in the reward and no rejection, ActorLoss takes
+        # old_logprobs from the update's own forward instead
+        if cfg.actor.ppo_epochs > 1 or sizes.num_mini > 1 or alg.use_kl_in_reward or alg.rollout_rs != "off":
             with timed(times, "time/old_logprob_s"):
                 batch["old_logprobs"] = no_grad_pass(lambda micro: fwd.logprobs(policy, micro)[0])  # (B, Tr)
         if alg.use_kl_in_reward or alg.use_kl_loss:
@@ -461,9 +443,11 @@ def main(cfg: config.Config):
             state.kl_ctrl.update(seq_kl, cfg.data.train_batch_size * n)
         token_rewards = kl_penalty_rewards(scores, kl_tokens, response_mask, beta)  # (B, Tr)
 
-        # ---- 6. advantages (B, Tr), zero on padding: advantages.ESTIMATORS[algorithm.adv_estimator]
+        # ---- 6. advantages (B, Tr), zero on padding: advantages.ESTIMATORS[algorithm.adv_estimator]; and the
+        # tokens the policy loss sees (overlong filtering, rejection sampling)
         batch["advantages"], batch["returns"] = estimate(token_rewards, response_mask.float(), batch.get("old_values"),
                                                          adv_settings)  # (B, Tr) each
+        batch["loss_mask"], mask_metrics = policy_loss_mask(batch, truncated, cfg)  # (B, Tr)
 
         # ---- 7. PPO epochs over mini-batches, gradient accumulation over micro-batches
         set_train_mode([policy, critic], True)
@@ -473,13 +457,13 @@ def main(cfg: config.Config):
         order = torch.Generator().manual_seed(step_seed(t.seed, step, -1))
         for epoch in range(cfg.actor.ppo_epochs):
             for mini_inds in torch.randperm(B, generator=order).split(sizes.mini):
-                counts = mini_batch_counts(response_mask[mini_inds], accelerator)  # normalise its loss (departure 4)
                 for u in updates:
+                    counts = mini_batch_counts(batch[u.mask][mini_inds], accelerator)  # its loss's norm (departure 4)
                     with timed(times, f"time/update_{u.name}_s"):
-                        micro_batches = [micro_batch(batch, i, device)
-                                         for i in split_micro(mini_inds, tok_lengths, u.micro_size, max_tokens)]
-                        # one optimiser step: loss.backward() per micro-batch, gradients averaged over processes
-                        # after the last one only, clipped over every shard, optimizer.step() unless non-finite
+                        micro_batches = [micro_batch(batch, i, device) for i in split_micro(
+                            mini_inds, tok_lengths, u.micro_size, max_tokens, largest_count=max_over_processes)]
+                        # one optimiser step: loss.backward() per micro-batch, gradients averaged over processes,
+                        # clipped over every shard, optimizer.step() unless non-finite
                         loss_fn = functools.partial(u.loss, u.model, counts=counts)
                         grad_norm, losses = train_step(u.model, u.optimizer, micro_batches, loss_fn, u.max_grad_norm)
                     state.skipped += grad_norm is None
@@ -497,7 +481,8 @@ def main(cfg: config.Config):
                 rollout.sync_weights(policy)
 
         # ---- 9. log: means (maxima for *_max) over this process's batch and micro-batches, then over processes
-        metrics.update({**batch_metrics(scores, token_rewards, lengths, truncated), "kl/coef": beta, **stats})
+        metrics.update({**batch_metrics(scores, token_rewards, lengths, truncated), "kl/coef": beta, **stats,
+                        **mask_metrics})
         if critic is not None:
             metrics["value/mean"] = masked_mean(batch["old_values"], response_mask).item()
             metrics["value/explained_var"] = explained_variance(batch["old_values"], batch["returns"], response_mask,
@@ -516,16 +501,20 @@ def main(cfg: config.Config):
         if warning:
             print0("warning: " + warning)
 
-        # validate (every test_freq steps, and at the end however it comes) and log
+        # validate (every test_freq steps, and at the end however it comes), keep the best, roll back, and log
         if val_rows and ((t.test_freq and step % t.test_freq == 0) or step == t.total_steps or stop_reason):
-            metrics.update(validate(cfg, rollout, tokenizer, scorer, val_rows, accelerator))
-        logger.log(metrics, step)
+            val_metrics = validate(cfg, rollout, tokenizer, scorer, val_rows, accelerator)
+            metrics.update(val_metrics)
+            if t.best_metric and (rollback := keep_best(accelerator, cfg, val_metrics, state, checkpointed)):
+                print0(rollback)
+                rollout.sync_weights(policy)  # the next batch comes from best/'s weights
+        logger.log({**metrics, "train/rollbacks": state.rollbacks}, step)
         bar.set_postfix(score=f"{metrics['score/mean']:.3f}", kl=f"{metrics.get('kl/mean', 0):.4f}")
         print0(f"step {step}  " + console_line(metrics, CONSOLE_KEYS))
         if t.sample_freq and step % t.sample_freq == 0:
             shown = list(range(0, B, max(1, B // t.num_samples_to_show)))[:t.num_samples_to_show]
             print0(sample_table([(rows[i]["prompt_text"][-40:], agent.transcript(rows[i], texts[i]), scores[i].item(),
-                                  judged[i]) for i in shown]))
+                                  rows[i].get("judge_answer", "")) for i in shown]))
 
         # ---- 10. checkpoint; SIGTERM (Slurm's preemption) or Ctrl-C ends the run here, and a rerun resumes
         signum = stop_signal.received(accelerator)
@@ -544,8 +533,8 @@ def main(cfg: config.Config):
     save_final(accelerator, policy, tokenizer, cfg)
     logger.close()
     accelerator.wait_for_everyone()
-    if isinstance(engine, HFRollout):  # a vLLM engine destroys the process group itself at exit
-        accelerator.end_training()
+    rollout.close()  # a vLLM engine destroys its process groups, and the launcher's
+    accelerator.end_training()  # the process group, where one is left
     return stop_reason
 
 

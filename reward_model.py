@@ -47,7 +47,7 @@ import data
 from infra import cli, config
 from infra.batches import autocast, autocast_dtype
 from infra.config import exact_div
-from infra.distributed import distribute, fsdp_from_launcher
+from infra.distributed import distribute, fsdp_from_launcher, use_cpu
 from infra.metrics import check_loggers, console_line, MetricsLogger, wandb_resume_id
 from infra.models import check_model_path, load_reward_classifier, load_tokenizer, save_pretrained_atomic
 from infra.optim import make_optimizer, restore_schedule, train_step
@@ -214,7 +214,7 @@ def non_finite(model, stats: dict):
 
 def main(cfg: config.RewardModelStage):
     rm = cfg.reward_model
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())  # on a CPU, launched processes join over gloo
+    accelerator = Accelerator(cpu=use_cpu())  # on a CPU, launched processes join over gloo
     if fsdp_from_launcher():
         raise config.ConfigError("reward_model.py trains on one process or with DDP (accelerate launch "
                                  "--num_processes N reward_model.py …), not under an FSDP config")

@@ -18,12 +18,14 @@ import os
 import re
 import sys
 import warnings
+from collections import Counter
 
 import torch
 from accelerate.utils import gather_object
 
+from agent import with_conversations
 from infra.config import ConfigError
-from infra.metrics import sum_over_processes
+from infra.metrics import reduce_metrics, sum_over_processes
 from infra.models import check_model_path
 from judge import check_judge, Judge
 from reward_rules import verl_prime_math, verl_rules
@@ -257,10 +259,11 @@ class Scorer:
                             "reward/judge_score_mean": sum(judged.scores) / len(texts)})
         return scores, metrics
 
-    def validation_metrics(self, rows: list[dict], texts: list[str], sources: list, accelerator) -> dict:
-        """val/score/mean and val/<data_source>/score over the rows of every process (`sources`: every data_source
-        of the validation set) and, with a reward model or a judge, val/rule_score/mean: the task's rule on the same
-        answers, over the rows with a ground truth and a rule."""
+    def validation_metrics(self, rows: list[dict], texts: list[str], sources: list, accelerator, k: int = 1) -> dict:
+        """Over the rows of every process (`sources`: every data_source of the validation set), rows i·k … i·k + k − 1
+        being one prompt's k samples: val/score/mean and val/<data_source>/score, the mean score (mean@k); with k > 1
+        and a rule reward, pass@j and maj@k (pass_and_majority); with a reward model or a judge, val/rule_score/mean:
+        the task's rule on the same answers, over the rows with a ground truth and a rule."""
         scores, _ = score_on_every_process(self, rows, texts, accelerator)
         sums = torch.zeros(len(sources), 2)  # (sum of scores, count) per data_source
         for row, score in zip(rows, scores.tolist()):
@@ -268,6 +271,8 @@ class Scorer:
         sums = sum_over_processes(accelerator, sums)
         metrics = {"val/score/mean": (sums[:, 0].sum() / sums[:, 1].sum()).item()}
         metrics.update({f"val/{src}/score": (s / max(c, 1)).item() for src, (s, c) in zip(sources, sums)})
+        if k > 1 and self.cfg.type == "rule":
+            metrics.update(pass_and_majority(rows, scores.tolist(), self.answers(rows, texts), sources, k, accelerator))
         if self.task_rule is not None:
             ruled = [(row, text) for row, text in zip(rows, texts)
                      if row["ground_truth"] is not None and (self.cfg.function or rule_for(row["data_source"]))]
@@ -277,3 +282,93 @@ class Scorer:
             if count:
                 metrics["val/rule_score/mean"] = total / count
         return metrics
+
+    def answers(self, rows: list[dict], texts: list[str]) -> list:
+        """The answer the rule read from each response: the "pred" of a dict it returns (verl's DAPO rule does), else
+        None. Validation only: the rule runs again here, in this process."""
+        if self.rule_fn is None or inspect.iscoroutinefunction(self.rule_fn):
+            return [None] * len(rows)
+        answers = []
+        for row, text in zip(rows, texts):
+            try:
+                result = self.rule_fn(data_source=row["data_source"], solution_str=text,
+                                      ground_truth=row["ground_truth"], extra_info=row.get("extra_info") or {})
+            except Exception:
+                result = None
+            answers.append(str(result["pred"]) if isinstance(result, dict) and "pred" in result else None)
+        return answers
+
+
+# ---- validation: k samples per prompt
+
+
+def decode_responses(tokenizer, ro) -> list[str]:
+    """The text each response of a rollout.Rollout is scored on: its tokens, or with multi-turn its last assistant
+    turn (agent.py)."""
+    if ro.conversations is not None:
+        return [c["turns"][-1]["content"] for c in ro.conversations]
+    return tokenizer.batch_decode([r[m.bool()].tolist() for r, m in zip(ro.responses, ro.response_mask)],
+                                  skip_special_tokens=True)
+
+
+@torch.no_grad()
+def validate(cfg, rollout, tokenizer, scorer, val_rows, accelerator) -> dict:
+    """rollout.val_n responses per validation prompt at rollout.val_temperature (one, greedy, by default), scored:
+    Scorer.validation_metrics. Every validation samples with the run's seed, so that they differ by the policy."""
+    k, mine = cfg.rollout.val_n, val_rows[accelerator.process_index::accelerator.num_processes]
+    ro = rollout.generate([r["prompt_ids"] for r in mine], n=k, temperature=cfg.rollout.val_temperature,
+                          seed=cfg.trainer.seed)
+    texts = decode_responses(tokenizer, ro)
+    sources = sorted({r["data_source"] for r in val_rows})
+    rows = with_conversations([r for r in mine for _ in range(k)], ro)  # multi-turn: the reward reads them
+    metrics = scorer.validation_metrics(rows, texts, sources, accelerator, k)
+    turn_metrics = reduce_metrics(accelerator, ro.metrics) if ro.metrics else {}  # agent/*: multi-turn only
+    return {**metrics, **{f"val/{key}": value for key, value in turn_metrics.items()}}
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased estimate of pass@k from n samples of which c are right (Chen et al., 2021, eq. 1):
+    1 − C(n − c, k) / C(n, k), the chance that k of the n drawn without replacement hold a right one."""
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def pass_and_majority(rows: list[dict], scores: list, answers: list, sources: list, k: int, accelerator) -> dict:
+    """Per data_source (val/<src>/…) and over all prompts (val/…/mean), from k samples per prompt, a sample being
+    right when its rule score is > 0 (rules score 1 right, 0 or −1 wrong):
+        pass@j for j = 1, 2, 4, … and k    unbiased (pass_at_k); pass@1 is the share of right samples
+        maj@k                               is the most frequent answer right? Over the prompts whose k samples all
+                                            have one (Scorer.answers; ties: the answer seen first)
+    """
+    js = sorted({2 ** i for i in range(k.bit_length()) if 2 ** i <= k} | {k})
+    table = torch.zeros(len(sources), len(js) + 3, dtype=torch.float64)  # prompts, Σ pass@j …, Σ maj@k, its prompts
+    for start in range(0, len(rows), k):
+        src, right = sources.index(rows[start]["data_source"]), [s > 0 for s in scores[start:start + k]]
+        table[src, 0] += 1
+        table[src, 1:len(js) + 1] += torch.tensor([pass_at_k(k, sum(right), j) for j in js], dtype=torch.float64)
+        group = answers[start:start + k]
+        if None not in group:
+            majority = Counter(group).most_common(1)[0][0]
+            table[src, -2:] += torch.tensor([float(right[group.index(majority)]), 1.0], dtype=torch.float64)
+    table = sum_over_processes(accelerator, table)
+    metrics = {}
+    for prefix, suffix, counts in [(f"val/{src}/", "", row) for src, row in zip(sources, table)] + [
+            ("val/", "/mean", table.sum(0))]:
+        metrics.update({f"{prefix}pass@{j}{suffix}": (counts[1 + i] / counts[0].clamp(min=1)).item()
+                        for i, j in enumerate(js)})
+        if counts[-1] > 0:
+            metrics[f"{prefix}maj@{k}{suffix}"] = (counts[-2] / counts[-1]).item()
+    return metrics
+
+
+# ---- length shaping
+
+
+def overlong_reward(lengths, max_length: int, buffer_len: int, factor: float):
+    """DAPO's soft overlong punishment (Yu et al., 2025, eq. 13; verl's DAPO reward manager), (B,) from lengths (B,):
+
+        R(y) = min(−(|y| − (L_max − L_cache)) / L_cache · factor, 0)
+    0 up to L_max − L_cache tokens, then falling linearly to −factor at L_max = rollout.max_response_length;
+    L_cache = reward.overlong_buffer_len; |y| counts the EOS, as verl's valid response length does.
+    """
+    exceed = lengths.float() - (max_length - buffer_len)
+    return (-exceed / buffer_len * factor).clamp(max=0.0)

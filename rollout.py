@@ -9,8 +9,8 @@ and, from multi-turn rollouts (agent.py, which wraps these backends), an attenti
 where response_mask is 0), each sample's conversation and agent/* metrics.
 
 `ppo.py` calls `make_rollout(...)` once, then `generate(...)` every step and `sync_weights(...)`
-after every optimiser step that changed the policy. vLLM is imported only when its backend is made (it is optional,
-and its environment must be set first: make_rollout).
+after every optimiser step that changed the policy, and `close()` at the end. vLLM is imported only when its backend
+is made (it is optional, and its environment must be set first: make_rollout).
 """
 import logging
 import os
@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, StateDictOptions
 
 from infra.batches import autocast_dtype
+from infra.distributed import max_over_processes, whole
 
 
 @dataclass
@@ -36,9 +36,40 @@ class Rollout:
     metrics: dict = field(default_factory=dict)  # agent/* (agent.py)
 
 
+@dataclass
+class Samples:
+    """Prompts with their n responses and scores: row i·n + j is sample j of the prompt rows[i·n]."""
+    rows: list  # (B,) the prompts' data rows, each n times
+    responses: torch.Tensor  # (B, Tr) right-padded
+    response_mask: torch.Tensor  # (B, Tr)
+    rollout_logprobs: Optional[torch.Tensor]  # (B, Tr) the sampler's, or None
+    texts: list  # (B,) the decoded responses
+    scores: torch.Tensor  # (B,) the task scores, length shaping included
+    truncated: torch.Tensor  # (B,) bool: cut off at rollout.max_response_length without EOS
+    attention_mask: Optional[torch.Tensor] = None  # (B, Tr) multi-turn: 1 on the tool answers too (Rollout's)
+
+    def take(self, rows: list[int]) -> "Samples":
+        return Samples(*[None if v is None else [v[i] for i in rows] if isinstance(v, list) else v[rows]
+                         for v in vars(self).values()])
+
+    @staticmethod
+    def cat(parts: list, pad_id: int) -> "Samples":
+        """All rows of `parts`, in order; the (B, Tr) tensors right-padded to the longest (masks, logprobs with 0)."""
+        T = max(p.responses.shape[1] for p in parts)
+
+        def padded(name, value):
+            tensors = [getattr(p, name) for p in parts]
+            return None if tensors[0] is None else torch.cat(
+                [torch.nn.functional.pad(x, (0, T - x.shape[1]), value=value) for x in tensors])
+        return Samples([row for p in parts for row in p.rows], padded("responses", pad_id),
+                       padded("response_mask", 0), padded("rollout_logprobs", 0.0), [x for p in parts for x in p.texts],
+                       torch.cat([p.scores for p in parts]), torch.cat([p.truncated for p in parts]),
+                       padded("attention_mask", 0))
+
+
 def right_pad(seqs: list[list], pad, dtype=torch.long) -> tuple[torch.Tensor, torch.Tensor]:
     """Lists → (values, mask), both (B, T), T ≥ 1, padded on the right with `pad`; mask 1 = a real entry."""
-    T = max(1, max(len(s) for s in seqs))
+    T = max(1, max((len(s) for s in seqs), default=0))
     values = torch.full((len(seqs), T), pad, dtype=dtype)
     mask = torch.zeros((len(seqs), T), dtype=torch.long)
     for i, s in enumerate(seqs):
@@ -79,21 +110,23 @@ def eos_ids_of(tokenizer, model_config=None) -> set[int]:
 class HFRollout:
     """`model.generate` on the training model itself, batched and left-padded.
 
-    It samples from the very weights being trained, so `sync_weights` has nothing to do.
+    It samples from the very weights being trained, so `sync_weights` has nothing to do. `device` is where it
+    computes (the accelerator's): under FSDP2's CPU offload the parameters live in host memory.
     """
 
-    def __init__(self, model, tokenizer, cfg, autocast_dtype=None, synced_gpus=False):
+    def __init__(self, model, tokenizer, cfg, autocast_dtype=None, synced_gpus=False, device=None):
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
         self.pad_id = tokenizer.pad_token_id
         self.eos_ids = eos_ids_of(tokenizer, model)
         self.autocast_dtype = autocast_dtype
         self.synced_gpus = synced_gpus  # FSDP: every rank must run the same number of forwards
+        self.device = device or next(model.parameters()).device
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int, temperature: float, seed: Optional[int] = None,
                  max_tokens: Optional[list[int]] = None) -> Rollout:
         """max_tokens: each prompt's budget (agent.py's later turns); rollout.max_response_length when None."""
-        cfg, device = self.cfg, next(self.model.parameters()).device
+        cfg, device = self.cfg, self.device
         seqs = [p for p in prompts for _ in range(n)]
         budgets = [b for b in max_tokens or [cfg.max_response_length] * len(prompts) for _ in range(n)]  # per row
         greedy = temperature == 0
@@ -107,45 +140,49 @@ class HFRollout:
                     else nullcontext())
         was_training = self.model.training
         self.model.eval()
+        chunks = [seqs[start:start + cfg.micro_batch_size] for start in range(0, len(seqs), cfg.micro_batch_size)]
+        if self.synced_gpus:  # as many generate calls as the process with most (validation rows split unevenly),
+            chunks += [None] * (max_over_processes(len(chunks)) - len(chunks))  # the extra ones on one pad token
         responses = []
-        for start in range(0, len(seqs), cfg.micro_batch_size):
-            ids, mask = left_pad(seqs[start:start + cfg.micro_batch_size], self.pad_id)
+        for chunk in chunks:
+            ids, mask = left_pad(chunk or [[self.pad_id]], self.pad_id)
             with autocast:
                 out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)
-            new = out[:, ids.shape[1]:].tolist()
-            new = new if cfg.ignore_eos else [cut_at_eos(row, self.eos_ids) for row in new]
-            responses += [row[:budget] for row, budget in zip(new, budgets[start:])]
+            new = out[:, ids.shape[1]:].tolist() if chunk else []
+            responses += new if cfg.ignore_eos else [cut_at_eos(row, self.eos_ids) for row in new]
         self.model.train(was_training)
+        responses = [row[:budget] for row, budget in zip(responses, budgets)]  # each prompt's own budget
         responses, response_mask = right_pad(responses, self.pad_id)  # (B·n, Tr) each
         return Rollout(responses, response_mask, None)
 
     def sync_weights(self, model) -> None:
         pass
 
+    def close(self) -> None:
+        pass
 
-def policy_weights(model) -> dict[str, torch.Tensor]:
-    """The policy's full weights under the plain checkpoint's names, ready for an inference engine.
 
-    FSDP2 shards each parameter as a DTensor; `get_model_state_dict(full_state_dict=True)` gathers them whole
-    (a collective: every rank calls it). With LoRA the policy's weight is W + s·B·A, s = α/r (Hu et al., 2021,
-    eq. 3); it is formed here from the state dict, so the training model is never merged and unmerged.
+def policy_weights(model):
+    """The policy's weights one at a time, whole, under the plain checkpoint's names: (name, tensor) for an engine.
+
+    Streamed (issue 22): besides the engine's own copy, one gathered weight exists at a time (with LoRA: W, B and A of
+    one layer), not the whole model at once. FSDP2 shards each parameter as a DTensor, gathered here as it comes
+    (`whole`: a collective, and every process walks the state dict in the same order). With LoRA the policy's weight
+    is W + s·B·A, s = α/r (Hu et al., 2021, eq. 3), formed here, so the training model is never merged and unmerged.
     """
-
-    # No cpu_offload: with a full state dict it would hand the weights to rank 0 only, and every rank has an engine.
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    weights = {}
+    state = model.state_dict()  # the parameters themselves (FSDP2: their shards), no copies
     for key, w in state.items():
         if ".lora_" in key:
             continue
+        w = whole(w)
         if key.endswith(".base_layer.weight"):  # PEFT's LoraLayer: W is frozen in base_layer, B·A beside it
             name = key.removesuffix(".base_layer.weight")
             layer = model.get_submodule(name)
             if not getattr(layer, "merged", False):
                 for a in layer.active_adapters:
-                    B, A = state[f"{name}.lora_B.{a}.weight"], state[f"{name}.lora_A.{a}.weight"]  # (out, r), (r, in)
+                    B, A = (whole(state[f"{name}.lora_{m}.{a}.weight"]) for m in "BA")  # (out, r), (r, in)
                     w = w + layer.scaling[a] * (B @ A)
-        weights[key.removeprefix("base_model.model.").replace(".base_layer.", ".")] = w
-    return weights
+        yield key.removeprefix("base_model.model.").replace(".base_layer.", "."), w
 
 
 def kv_cache_bytes(config, tokens: int, dtype: torch.dtype) -> int:
@@ -155,14 +192,23 @@ def kv_cache_bytes(config, tokens: int, dtype: torch.dtype) -> int:
     return 2 * config.num_hidden_layers * kv_heads * head_dim * dtype.itemsize * tokens
 
 
-class QuietRopeReload(logging.Filter):
-    """Drops vLLM's "RotaryEmbedding: Failed to load weights", which its in-place reload logs at every sync: vLLM's
-    RoPE layer holds a cos/sin cache buffer that the reload counts as loadable, and no checkpoint carries it (HF never
-    saves inv_freq). vLLM then keeps the cache it built at start, which is right (it depends on the config, not the
-    weights), so the line warns of nothing."""
+class ExpectedVllmWarnings(logging.Filter):
+    """Drops two kinds of vLLM warning that warn of nothing here (every other line passes):
+
+    * "RotaryEmbedding: Failed to load weights", logged by the in-place reload at every sync: vLLM's RoPE layer holds
+      a cos/sin cache buffer that the reload counts as loadable, and no checkpoint carries it (HF never saves
+      inv_freq). vLLM keeps the cache it built at start, which is right: it depends on the config, not the weights.
+    * "Attempted to load weight … with dtype torch.float32 into parameter with dtype torch.bfloat16", once per weight
+      when the engine starts in bf16 (rollout.dtype) from an fp32 checkpoint (the demo's): rounding each weight to
+      the dtype the engine was asked for is what should happen.
+    """
 
     def filter(self, record):
-        return not (record.msg == "%s: Failed to load weights" and record.args == ("RotaryEmbedding",))
+        if record.msg == "%s: Failed to load weights":
+            return record.args != ("RotaryEmbedding",)
+        if record.msg.startswith("Attempted to load weight %s with dtype %s into parameter"):
+            return record.args[1] != torch.float32
+        return True
 
 
 class VLLMRollout:
@@ -172,17 +218,20 @@ class VLLMRollout:
     (so a LoRA or resumed actor is what it samples from) and after every optimiser step.
     Its logprobs are `processed_logprobs`: log_softmax(logits / T) after top-k/top-p, the distribution sampled.
     On GPU with `rollout.free_cache_engine` the engine sleeps between rollouts (weights to host RAM, KV cache freed),
-    as verl does; vLLM's CPU backend has no sleep mode, so there it stays awake.
+    as verl does; vLLM's CPU backend has no sleep mode, so there it stays awake. Awake, the engine holds
+    rollout.gpu_memory_utilization × the device's memory (weights and KV cache) for the whole run.
     """
 
     def __init__(self, cfg, model, tokenizer, unwrap=lambda m: m):
         from vllm import LLM
 
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(QuietRopeReload())
+        for name in ("vllm.model_executor.model_loader.reload.layerwise", "vllm.model_executor.models.utils"):
+            logging.getLogger(name).addFilter(ExpectedVllmWarnings())
         self.cfg, self.unwrap = cfg.rollout, unwrap
         self.pad_id = tokenizer.pad_token_id
         self.eos_ids = eos_ids_of(tokenizer, unwrap(model))
-        self.dtype = autocast_dtype(cfg.rollout.dtype) or torch.float32
+        dtype = cfg.model.dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype  # auto: as the trainer computes
+        self.dtype = autocast_dtype(dtype) or torch.float32
         self.sleeps = cfg.rollout.free_cache_engine and torch.cuda.is_available()
         max_len = cfg.data.max_prompt_length + cfg.rollout.max_response_length
         memory = dict(gpu_memory_utilization=cfg.rollout.gpu_memory_utilization)
@@ -191,10 +240,13 @@ class VLLMRollout:
             # trainer's too), and fails when that is ≤ 0; ask instead for what 256 full-length sequences need.
             kv_bytes = kv_cache_bytes(unwrap(model).config, 256 * max_len, self.dtype)
             memory = dict(max_num_seqs=256, kv_cache_memory_bytes=kv_bytes)
-        # With N processes every rank owns an engine. "external_launcher" (TRL's colocate mode does the same) makes
+        # Under a launcher every rank owns an engine. "external_launcher" (TRL's colocate mode does the same) makes
         # vLLM join the process group accelerate made instead of starting its own, and put the engine on the
-        # device LOCAL_RANK names; checked with 2 processes on CPU (gloo), FSDP2 and LoRA included.
-        distributed = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+        # device LOCAL_RANK names; checked with 2 processes on CPU (gloo), FSDP2 and LoRA included. Whenever a group
+        # exists, one process too (FSDP2 on one GPU runs under torchrun): vLLM's single-process executor would
+        # otherwise take the launcher's group for one of its own. A launcher's (torchrun sets RANK), not the group an
+        # earlier engine of this process made for itself.
+        distributed = torch.distributed.is_initialized() and "RANK" in os.environ
         self.rank = torch.distributed.get_rank() if distributed else 0
         backend = "external_launcher" if distributed else None
         # In this process vLLM reseeds the global random, numpy and torch generators with trainer.seed.
@@ -246,28 +298,41 @@ class VLLMRollout:
     @torch.no_grad()
     def sync_weights(self, model) -> None:
         """Copy the actor's current weights into the engine, and forget KV computed with the old ones.
-        A sleeping engine wakes its weights only: its KV cache is allocated after the gathered copy of the
-        policy is gone (generate wakes it), as verl does, so the two never take device memory at once."""
+        The weights stream in one at a time (policy_weights), each in the engine's dtype as it comes: vLLM's in-place
+        reload takes an iterator, and this process's engine consumes it here (VLLM_ENABLE_V1_MULTIPROCESSING=0).
+        A sleeping engine wakes its weights only; its KV cache wakes when generate next runs, as verl does."""
         self.wake_up(["weights"])
-        weights = [(k, w.to(self.dtype)) for k, w in policy_weights(self.unwrap(model)).items()]
+        weights = ((name, w.to(self.dtype)) for name, w in policy_weights(self.unwrap(model)))
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-        del weights
         self.stale_prefix_cache = True
 
     def wake_up(self, tags: list) -> None:
-        """Wake those of `tags` ("weights", "kv_cache") that sleep."""
+        """Wake those of `tags` ("weights", "kv_cache") that sleep. vLLM maps them back into memory the driver has
+        free, and blocks torch's caching allocator keeps (the training step's) are not: they are released first, as
+        TRL, verl and OpenRLHF do (issue 22)."""
         if todo := [tag for tag in tags if tag in self.asleep]:
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
             self.llm.wake_up(tags=todo)
             self.asleep -= set(todo)
+
+    def close(self) -> None:
+        """Shut the engine down: vLLM destroys its own process groups, then the launcher's (under a launcher), and so
+        does not leave the teardown of NCCL communicators to the interpreter's exit (issue 22)."""
+        self.llm.llm_engine.engine_core.shutdown()
 
 
 def make_rollout(cfg, model, tokenizer, accelerator, autocast_dtype=None, synced_forwards: bool = False):
     """The backend named by `cfg.rollout.name`; vLLM falls back to HF, with one warning, where it is missing."""
     name = cfg.rollout.name
     if name == "vllm":
-        # Before vLLM is imported: keep its engine in this process (so weights pass by reference), and tell it
-        # torch's thread count, or on CPU it pins torch to one thread and training runs at half speed.
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        # Before vLLM is imported: keep its engine in this process (so weights pass by reference, and sync_weights
+        # can stream them), and tell it torch's thread count, or on CPU it pins torch to one thread and training
+        # runs at half speed.
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0" and accelerator.is_main_process:
+            print("warning: VLLM_ENABLE_V1_MULTIPROCESSING=1 is set, but rollout.name=vllm hands weights to an engine "
+                  "in this process: it is set to 0 for this run")
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
         os.environ.setdefault("VLLM_LOGGING_LEVEL", cfg.rollout.vllm_log_level)
         try:
@@ -280,4 +345,4 @@ def make_rollout(cfg, model, tokenizer, accelerator, autocast_dtype=None, synced
         return VLLMRollout(cfg, model, tokenizer, unwrap=accelerator.unwrap_model)
     # synced_forwards (FSDP2): every process must run as many forwards as the one with the longest response
     return HFRollout(accelerator.unwrap_model(model), tokenizer, cfg.rollout, autocast_dtype,
-                     synced_gpus=synced_forwards)
+                     synced_gpus=synced_forwards, device=accelerator.device)

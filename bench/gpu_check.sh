@@ -1,123 +1,205 @@
 #!/bin/bash
-# GPU checks in one go, at most ~8 minutes on one H200:
-#   1. ppo.py under FSDP2 on 1 GPU (accelerate_configs/fsdp2.yaml), HF rollout: GAE with a critic and a
-#      reference (full fine-tune, KL in the reward), a sharded checkpoint and an exact resume from it;
-#   2. GRPO + LoRA + a vLLM engine that sleeps between rollouts (rollout.free_cache_engine: weights woken and
-#      synced before the KV cache), under FSDP2, with the sampler/trainer logprob gap;
-#   3. the packing parity test on CUDA (tests/test_packing.py);
-#   4. bench/ppo_bench.py at a Qwen2-0.5B-like size built from config (random weights), bf16, vLLM rollouts,
-#      then padded vs packed with HF rollouts.
-# Figures and pass/fail per stage go to $OUT/gpu_check.txt when $OUT is set, else bench/gpu_check.txt.
+# The GPU check: at most 8 minutes on one GPU by construction. Every stage has a time cap, the caps and the reserve for
+# what runs between stages add up to at most BUDGET_S = 480 s, and each stage also stops at the deadline; a stage past
+# its time is killed with every process it started (torchrun's workers run in sessions of their own, so they are found
+# by a tag in their environment). Each stage ends PASS, FAIL or SKIP with its reason; one figures file is written.
 #
-#   make install && bash bench/gpu_check.sh          # on a GPU machine, from the repository root
-#   PY=python3 bash bench/gpu_check.sh                # with a python that already has the requirements
+#   bash bench/gpu_check.sh                   # on the GPU machine, from the repository root
+#   GPU_CHECK_DRY=1 bash bench/gpu_check.sh   # anywhere: the stages, their caps and the total; runs nothing
+#   PY=/path/to/python3 bash bench/gpu_check.sh
 #
-# It downloads nothing and installs nothing: run it after `make install` on that machine (the Makefile picks
-# vllm==0.32.0 with its CUDA torch there), or point PY at a python with torch (CUDA), transformers,
-# accelerate, peft, pyarrow, pyyaml, tqdm and pytest. Every model and dataset is built from config here.
+# It installs and downloads nothing (HF_HUB_OFFLINE=1): it runs on the machine's python3 with torch (CUDA),
+# transformers, accelerate, peft, pyarrow, tqdm and pytest; vLLM is optional, and its stage is SKIP without it (the HF
+# backend never stands in for it). Every model and dataset is built here: the 0.5B-size one from Qwen2.5-0.5B's shape
+# with random weights, unless QWEN_PATH names a local folder with the real ones.
+# Figures: $OUT/gpu_check.json when $OUT is set, else bench/gpu_check.json. Logs: $WORK/logs (default /tmp/gpu_check).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PY=${PY:-.venv/bin/python}
-[ -x "$PY" ] || PY=$(command -v python3)
-REPORT=${OUT:+$OUT/gpu_check.txt}
-REPORT=${REPORT:-bench/gpu_check.txt}
-WORK=${WORK:-/tmp/gpu_check}
-BUDGET_S=${BUDGET_S:-470}              # whole script; each stage gets what is left, up to its own cap
-DEADLINE=$((SECONDS + BUDGET_S))
-FAILED=0
-rm -rf "$WORK" && mkdir -p "$WORK" "$(dirname "$REPORT")"
-: >"$REPORT"
+SELF=bench/gpu_check.sh
+BUDGET_S=480
+RESERVE_S=30  # between stages: the GPU memory probe, reaping, the next stage's start; and the report at the end
+STAGES=(setup:25 build:40 fsdp2:50 resume:45 packing:40 half-full:85 half-lora:60 offload:45 vllm:60)
+declare -A ABOUT=(
+  [setup]="torch sees the GPU; versions; the library imports on this stack; whether vLLM imports"
+  [build]="tiny Qwen2 with grouped-query attention (4 query / 2 KV heads), a Qwen2.5-0.5B-shaped model, prompts"
+  [fsdp2]="ppo.py under FSDP2 on 1 GPU: GAE with a critic and a reference, full fine-tune, fp32, sampled, 3 steps, checkpoint at 2"
+  [resume]="a folder holding only step_2 resumes to step 3, which equals the straight run's (1e-4 relative)"
+  [packing]="tests/test_packing.py on CUDA: packed = padded (MHA and GQA); the GQA packed pass without the math kernel"
+  [half-full]="0.5B-shaped, bf16, HF rollouts (32 x 128 tokens), packed: GAE full fine-tune with a critic and a bf16 reference; step time, peak memory per phase, packed attention with SDPA's math kernel ruled out"
+  [half-lora]="the same model, GRPO with LoRA (reference: the adapter disabled), packed, kernel checked; peak memory per phase"
+  [offload]="ppo.py under FSDP2 with CPU offload and gradient checkpointing, bf16, 2 steps (HF rollout on the GPU)"
+  [vllm]="bf16 vLLM engine under torchrun, sleeping: sync changes its greedy output, logprob gap within bf16's, sleep frees memory; SKIP without vLLM"
+)
+declare -A NEEDS=([build]="setup" [fsdp2]="build" [resume]="fsdp2" [packing]="setup" [half-full]="build"
+                  [half-lora]="build" [offload]="build" [vllm]="build")
 
-say() { echo "$*" | tee -a "$REPORT"; }
+export PY=${PY:-$([ -x .venv/bin/python ] && echo .venv/bin/python || command -v python3)}
+export WORK=${WORK:-/tmp/gpu_check}
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+export CUBLAS_WORKSPACE_CONFIG=:4096:8  # deterministic cuBLAS, for the exact resume
+TINY=$WORK/models/tiny HALF=$WORK/models/half DATA=$WORK/data RUNS=$WORK/runs
+LAUNCH=("$PY" -m accelerate.commands.launch --config_file accelerate_configs/fsdp2.yaml --num_processes 1)
+COMMON=(data.train_files=$DATA/train.parquet data.val_files=null reward.function=$DATA/reward.py:compute_score
+        rollout.name=hf trainer.max_kl=0 trainer.test_freq=0 trainer.val_before_train=false trainer.sample_freq=0
+        trainer.plot_curves=false)
+TINY_ARGS=("${COMMON[@]}" model.path=$TINY rollout.max_response_length=16 data.train_batch_size=4 rollout.n=4
+           actor.ppo_mini_batch_size=2 rollout.temperature=1.0)
+GAE_FULL=(algorithm.adv_estimator=gae model.lora_rank=0 critic.lora_rank=0 algorithm.use_kl_in_reward=true
+          algorithm.use_kl_loss=false)
+HALF_ARGS=("${COMMON[@]}" model.path=$HALF model.dtype=bf16 model.use_remove_padding=true rollout.max_response_length=128
+           rollout.ignore_eos=true rollout.temperature=1.0 rollout.micro_batch_size=32 data.train_batch_size=8 rollout.n=4
+           actor.ppo_mini_batch_size=4 trainer.save_freq=0)
 
-# stage NAME CAP_S LOG COMMAND...: run under `timeout` (CAP_S or the time left), log to LOG, record the outcome.
-stage() {
-  local name=$1 cap=$2 log=$3; shift 3
-  local left=$((DEADLINE - SECONDS))
-  local limit=$((cap < left ? cap : left))
-  if [ "$limit" -le 10 ]; then say "SKIP $name (out of time)"; FAILED=1; return 1; fi
-  local t0=$SECONDS
-  timeout "$limit" "$@" >"$log" 2>&1
-  local rc=$?
-  if [ $rc -eq 0 ]; then say "PASS $name ($((SECONDS - t0)) s)"; else
-    say "FAIL $name (exit $rc$([ $rc -eq 124 ] && echo ", timed out after ${limit} s"); $((SECONDS - t0)) s)"
-    tail -n 25 "$log" | sed 's/^/    /' | tee -a "$REPORT" >/dev/null
-    FAILED=1
-  fi
-  return $rc
+port() { echo $((20000 + RANDOM % 20000)); }
+
+# ---- the stages (run as `bash bench/gpu_check.sh --stage NAME`, in a session of their own)
+
+stage_setup() { "$PY" bench/gpu_check.py setup; }
+
+stage_build() { "$PY" bench/gpu_check.py build; }
+
+stage_fsdp2() {
+  "${LAUNCH[@]}" --main_process_port "$(port)" bench/gpu_check.py ppo fsdp2 "${TINY_ARGS[@]}" "${GAE_FULL[@]}" \
+    model.dtype=fp32 trainer.total_steps=3 trainer.save_freq=2 trainer.keep_checkpoints=5 trainer.output_dir=$RUNS/fsdp2 \
+    || return 1
+  grep -qE "parallel: fsdp2 over 1 processes \([^)]*nccl[^)]*\); sharded: policy, critic, reference" "$STAGE_LOG" \
+    || { echo "FAIL: ppo.py did not say it sharded policy, critic and reference over NCCL"; return 1; }
 }
 
-say "gpu_check $(date -u +%FT%TZ)  commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
-say "gpu: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo none)"
-if ! "$PY" -c "import torch, transformers, accelerate, peft, pyarrow, yaml, tqdm; assert torch.cuda.is_available()"; then
-  say "FAIL setup: $PY lacks torch with CUDA or a requirement; run \`make install\` on this machine first"
-  exit 1
-fi
-say "python: $("$PY" -c 'import sys, torch, transformers, accelerate; print(sys.version.split()[0], "torch", torch.__version__, "transformers", transformers.__version__, "accelerate", accelerate.__version__)')"
-say "vllm: $("$PY" -c 'import vllm; print(vllm.__version__)' 2>/dev/null || echo absent)"
+stage_resume() {
+  [ -d "$RUNS/fsdp2/step_2" ] || { echo "SKIP: the fsdp2 stage left no step_2 checkpoint"; return 3; }
+  mkdir -p "$RUNS/resumed" && cp -r "$RUNS/fsdp2/step_2" "$RUNS/resumed/"
+  "${LAUNCH[@]}" --main_process_port "$(port)" bench/gpu_check.py ppo resumed "${TINY_ARGS[@]}" "${GAE_FULL[@]}" \
+    model.dtype=fp32 trainer.total_steps=3 trainer.save_freq=2 trainer.keep_checkpoints=5 trainer.output_dir=$RUNS/resumed \
+    || return 1
+  grep -q "resumed from $RUNS/resumed/step_2 at step 2" "$STAGE_LOG" || { echo "FAIL: the run did not resume"; return 1; }
+  "$PY" bench/gpu_check.py same-step "$RUNS/fsdp2" "$RUNS/resumed" 3
+}
 
-# ---- 1. FSDP2 on one GPU, on the tiny model of bench/ppo_bench.py's default preset
-TINY=$WORK/tiny
-"$PY" -c "import sys; sys.path.insert(0, 'bench'); import workload as b
-b.build_workload('$TINY', dict(hidden=128, layers=2, heads=2, kv_heads=2, vocab=1024, intermediate=256))" \
-  >"$WORK/build_tiny.log" 2>&1 || { say "FAIL building the tiny model"; tail "$WORK/build_tiny.log"; exit 1; }
-LAUNCH=("$PY" -m accelerate.commands.launch --config_file accelerate_configs/fsdp2.yaml --num_processes 1
-        ppo.py --config configs.yaml)
-TINY_ARGS=(model.path=$TINY/model data.train_files=$TINY/train.parquet data.val_files=$TINY/train.parquet
-           data.val_max_samples=16 reward.function=$TINY/reward.py:compute_score rollout.name=hf
-           rollout.max_response_length=16 data.max_prompt_length=128 data.train_batch_size=4 rollout.n=4
-           actor.ppo_mini_batch_size=2 trainer.max_kl=0 trainer.test_freq=2 trainer.plot_curves=false
-           trainer.sample_freq=0 model.dtype=bf16)
-GAE=(algorithm.adv_estimator=gae algorithm.use_kl_in_reward=true algorithm.use_kl_loss=false model.lora_rank=0
-     trainer.save_freq=2 trainer.keep_checkpoints=5)
-stage "fsdp2 gae full fine-tune, 3 steps, checkpoint at 2" 150 "$WORK/fsdp_gae.log" \
-  "${LAUNCH[@]}" "${TINY_ARGS[@]}" "${GAE[@]}" trainer.total_steps=3 trainer.output_dir=$WORK/gae
-# Resume: a fresh folder holding only step_2 continues to step 3 and must log what the straight run logged.
-mkdir -p "$WORK/resumed" && cp -r "$WORK/gae/step_2" "$WORK/resumed/" 2>/dev/null
-stage "fsdp2 resume from the sharded step_2 checkpoint" 120 "$WORK/fsdp_resume.log" \
-  "${LAUNCH[@]}" "${TINY_ARGS[@]}" "${GAE[@]}" trainer.total_steps=3 trainer.output_dir=$WORK/resumed
-stage "fsdp2 resumed step 3 equals the straight run's" 20 "$WORK/fsdp_compare.log" "$PY" -c "
-import json
-def step3(p):
-    return [json.loads(l) for l in open(p) if json.loads(l)['step'] == 3][0]
-a, b = step3('$WORK/gae/metrics.jsonl'), step3('$WORK/resumed/metrics.jsonl')
-keys = ['score/mean', 'loss/value', 'loss/policy', 'kl/mean', 'policy/entropy', 'value/mean']
-print({k: (a[k], b[k]) for k in keys})
-assert all(abs(a[k] - b[k]) <= 1e-3 * max(1.0, abs(a[k])) for k in keys), 'resumed run differs'"
+stage_packing() {
+  "$PY" -m pytest -q -p no:cacheprovider tests/test_packing.py || return 1
+  if grep -q "skipped" "$STAGE_LOG"; then echo "FAIL: CUDA tests were skipped on a GPU machine"; return 1; fi
+}
 
-# ---- 2. GRPO + LoRA + vLLM with sleep/wake, under FSDP2
-stage "fsdp2 grpo LoRA with a sleeping vLLM engine, 3 steps" 200 "$WORK/fsdp_lora.log" \
-  "${LAUNCH[@]}" "${TINY_ARGS[@]}" algorithm.adv_estimator=grpo model.lora_rank=8 trainer.total_steps=3 \
-  trainer.save_freq=0 trainer.output_dir=$WORK/lora rollout.name=vllm rollout.free_cache_engine=true \
-  rollout.gpu_memory_utilization=0.3 rollout.dtype=bf16
-[ -f "$WORK/lora/metrics.jsonl" ] && say "  vllm gap: $("$PY" -c "
-import json
-lines = [json.loads(l) for l in open('$WORK/lora/metrics.jsonl') if json.loads(l)['step'] > 0]
-print(' '.join(f\"step {m['step']}: logprob_diff_mean {m.get('rollout/logprob_diff_mean', float('nan')):.2e} max {m.get('rollout/logprob_diff_max', float('nan')):.2e} sync {m.get('time/sync_s', 0):.2f} s\" for m in lines))")"
-for run in gae lora; do
-  [ -f "$WORK/$run/metrics.jsonl" ] && say "  fsdp2 $run: $("$PY" -c "
-import json
-lines = [json.loads(l) for l in open('$WORK/$run/metrics.jsonl') if json.loads(l)['step'] > 0]
-print(' '.join(f\"step {m['step']}: {m['time/step_s']:.3f} s, score {m['score/mean']:.3f}\" for m in lines))")"
-done
+stage_half_full() {
+  "$PY" bench/gpu_check.py ppo half-full --strict-packed --no-save "${HALF_ARGS[@]}" "${GAE_FULL[@]}" \
+    trainer.total_steps=3 trainer.output_dir=$RUNS/half-full
+}
 
-# ---- 3. packing parity on CUDA
-if [ -f tests/test_packing.py ]; then
-  stage "pytest tests/test_packing.py (CUDA)" 120 "$WORK/pytest_packing.log" "$PY" -m pytest -q tests/test_packing.py
-  say "  $(tail -n 1 "$WORK/pytest_packing.log")"
-else
-  say "SKIP tests/test_packing.py (not in this checkout)"
+stage_half_lora() {
+  "$PY" bench/gpu_check.py ppo half-lora --strict-packed --no-save "${HALF_ARGS[@]}" algorithm.adv_estimator=grpo \
+    model.lora_rank=32 algorithm.use_kl_loss=true algorithm.use_kl_in_reward=false trainer.total_steps=2 \
+    trainer.output_dir=$RUNS/half-lora
+}
+
+stage_offload() {
+  "${LAUNCH[@]}" --fsdp_offload_params true --main_process_port "$(port)" bench/gpu_check.py ppo offload \
+    "${TINY_ARGS[@]}" "${GAE_FULL[@]}" model.dtype=bf16 model.gradient_checkpointing=true trainer.total_steps=2 \
+    trainer.save_freq=0 trainer.output_dir=$RUNS/offload || return 1
+  grep -q "offload_params=True, param_dtype=torch.bfloat16" "$STAGE_LOG" \
+    || { echo "FAIL: ppo.py did not say it offloads parameters"; return 1; }
+}
+
+stage_vllm() {
+  "$PY" -c "import vllm" 2>/dev/null || { "$PY" bench/gpu_check.py vllm; return $?; }  # SKIP, with the reason
+  "$PY" -m torch.distributed.run --nproc-per-node 1 --master-port "$(port)" bench/gpu_check.py vllm
+}
+
+if [ "${1:-}" = --stage ]; then
+  "stage_${2//-/_}"
+  exit $?
 fi
 
-# ---- 4. the benchmark at a Qwen2-0.5B-like size (hidden 896, 24 layers, 14 heads, 2 KV heads, vocab 32000)
-BENCH=("$PY" bench/ppo_bench.py --hidden 896 --layers 24 --heads 14 --kv-heads 2 --vocab 32000
-       --intermediate 4864 --dtype bf16 --sequences 32 --response-length 128 --steps 6 --workdir "$WORK/bench")
-stage "ppo_bench 0.5B-like, vLLM rollouts, fixed length 128, 32 seqs/step" 200 "$WORK/bench_vllm.log" \
-  "${BENCH[@]}" --rollout vllm
-grep -E "^(phases|PPO )" "$WORK/bench_vllm.log" | sed 's/^/  /' | tee -a "$REPORT"
-stage "ppo_bench 0.5B-like, lengths U[8,128], padded vs packed" 200 "$WORK/bench_packing.log" \
-  "${BENCH[@]}" --vary-lengths --layout padded packed
-grep -E "^(phases|PPO )" "$WORK/bench_packing.log" | sed 's/^/  /' | tee -a "$REPORT"
+# ---- the runner
 
-say "total $SECONDS s; $([ $FAILED -eq 0 ] && echo 'all stages passed' || echo 'SOME STAGES FAILED')"
-exit $FAILED
+DRY=${GPU_CHECK_DRY:-}
+total=$RESERVE_S
+for s in "${STAGES[@]}"; do total=$((total + ${s#*:})); done
+if [ -n "$DRY" ]; then
+  echo "gpu_check dry run: the stages, each one's cap, and the total (nothing runs)"
+  for s in "${STAGES[@]}"; do printf '  %-9s cap %3d s  %s\n' "${s%%:*}" "${s#*:}" "${ABOUT[${s%%:*}]}"; done
+  printf '  %-9s     %3d s  %s\n' reserve "$RESERVE_S" "between stages, and the report"
+  echo "total $total s = $((total / 60)) min $((total % 60)) s; budget $BUDGET_S s"
+  [ "$total" -le "$BUDGET_S" ] || { echo "FAIL: the caps add up to more than the budget"; exit 1; }
+  exit 0
+fi
+if [ "$total" -gt "$BUDGET_S" ]; then echo "FAIL: the caps add up to $total s, more than $BUDGET_S s"; exit 1; fi
+
+FIGURES=${OUT:+$OUT/gpu_check.json}
+FIGURES=${FIGURES:-bench/gpu_check.json}
+export BUDGET_S GPU_CHECK_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo '?')
+DEADLINE=$((SECONDS + BUDGET_S - 10))  # the report's seconds at the end
+rm -rf "$WORK" && mkdir -p "$WORK/logs" "$(dirname "$FIGURES")"
+: >"$WORK/status.tsv"
+declare -A OUTCOME=()
+
+gpu_used_mib() { nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits 2>/dev/null | head -n 1; }
+
+# reap TAG SIGNAL: signal every process whose environment carries GPU_CHECK_TAG=TAG
+reap() {
+  local p
+  for p in /proc/[0-9]*; do
+    grep -qzx "GPU_CHECK_TAG=$1" "$p/environ" 2>/dev/null && kill -"$2" "${p#/proc/}" 2>/dev/null
+  done
+}
+
+# record NAME OUTCOME SECONDS CAP GPU_PEAK REASON
+record() {
+  OUTCOME[$1]=$2
+  printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" "$5" "$(printf '%s' "$6" | tr '\t\n' '  ')" >>"$WORK/status.tsv"
+  echo "$2 $1 ($3 s of $4; GPU peak ${5:-?} MiB)${6:+: $6}"
+}
+
+run_stage() {  # NAME CAP
+  local name=$1 cap=$2 need reason="" limit
+  for need in ${NEEDS[$name]:-}; do
+    [ "${OUTCOME[$need]:-}" = PASS ] || reason="needs the $need stage, which did not pass"
+  done
+  limit=$((DEADLINE - SECONDS < cap ? DEADLINE - SECONDS : cap))
+  [ -z "$reason" ] && [ "$limit" -lt 5 ] && reason="out of time ($limit s left of the budget)"
+  if [ -n "$reason" ]; then record "$name" SKIP 0 "$cap" "" "$reason"; return; fi
+  local log=$WORK/logs/$name.log tag="gpu_check_$$_$name" t0=$SECONDS timed_out=0 sampler=""
+  if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 500 >"$WORK/logs/$name.smi" 2>/dev/null &
+    sampler=$!
+  fi
+  GPU_CHECK_TAG=$tag STAGE_LOG=$log setsid bash "$SELF" --stage "$name" >"$log" 2>&1 &
+  local pid=$!
+  while kill -0 "$pid" 2>/dev/null; do
+    if [ $((SECONDS - t0)) -ge $((limit - 4)) ]; then  # its cap includes the 4 s its kill may take
+      timed_out=1
+      kill -TERM -- "-$pid" 2>/dev/null; reap "$tag" TERM; sleep 3
+      kill -KILL -- "-$pid" 2>/dev/null; reap "$tag" KILL
+      break
+    fi
+    sleep 0.5
+  done
+  wait "$pid"
+  local rc=$?
+  reap "$tag" KILL  # nothing the stage started outlives it
+  [ -n "$sampler" ] && kill "$sampler" 2>/dev/null && wait "$sampler" 2>/dev/null
+  local peak
+  peak=$(sort -n "$WORK/logs/$name.smi" 2>/dev/null | tail -n 1)
+  local said
+  said=$(grep -E "^(PASS|FAIL|SKIP): " "$log" | tail -n 1 | cut -d' ' -f2-)
+  if [ $timed_out = 1 ]; then
+    record "$name" FAIL $((SECONDS - t0)) "$cap" "$peak" "timed out after $limit s; killed with its children"
+  elif [ $rc = 0 ]; then
+    record "$name" PASS $((SECONDS - t0)) "$cap" "$peak" "$said"
+  elif [ $rc = 3 ]; then
+    record "$name" SKIP $((SECONDS - t0)) "$cap" "$peak" "${said:-no reason given}"
+  else
+    record "$name" FAIL $((SECONDS - t0)) "$cap" "$peak" "exit $rc${said:+; $said}"
+  fi
+  if [ "${OUTCOME[$name]}" = FAIL ]; then tail -n 30 "$log" | sed 's/^/    /'; fi
+}
+
+echo "gpu_check $(date -u +%FT%TZ) commit $GPU_CHECK_COMMIT python $PY; budget $BUDGET_S s (caps $((total - RESERVE_S)) s)"
+echo "gpu: $(nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader 2>/dev/null \
+  || echo 'nvidia-smi: none')"
+for s in "${STAGES[@]}"; do run_stage "${s%%:*}" "${s#*:}"; done
+"$PY" bench/gpu_check.py report "$FIGURES" || echo "FAIL: the report could not be written"
+failed=$(grep -c $'\tFAIL\t' "$WORK/status.tsv")
+echo "total $SECONDS s; $(grep -c $'\tPASS\t' "$WORK/status.tsv") passed, $failed failed, \
+$(grep -c $'\tSKIP\t' "$WORK/status.tsv") skipped"
+[ "$failed" -eq 0 ]

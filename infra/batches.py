@@ -9,6 +9,10 @@ within fp32 rounding (tests/test_packing.py):
              (model.use_remove_padding; attention through `varlen_sdpa`)
 and the fp32 log-softmax / entropy over a long vocabulary, `LOGITS_CHUNK` positions at a time.
 
+With a frozen trunk (infra/trunk.py, issue 25) `trunk_states` runs the layers below the adapters once per sequence in
+the layout (step 4), and every forward here can start from their output instead (`trunk=L`): the same numbers within
+fp32 rounding (tests/test_trunk.py).
+
 Shapes: B sequences, Tq prompt length, Tr response length, V vocab, N packed tokens. Also here: the compute dtype
 (`model.dtype` → autocast).
 
@@ -22,7 +26,10 @@ from typing import Optional
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from infra.trunk import from_trunk, Trunk, trunk_only
+
 LOGITS_CHUNK = 1024  # positions whose fp32 log-softmax is computed at once (see chunked_logprobs_entropy)
+PROMPT_KEYS = ("queries", "query_mask", "trunk_prompt")  # a batch's prompt columns (left-padded); others per response
 
 # ---------------------------------------------------------------------------------------
 # The compute dtype
@@ -102,11 +109,15 @@ def varlen_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     p = packed_attention
-    q, k, v = (x[0][:, index].transpose(0, 1) for x, index in  # (1, H, N, D) → (G, H, W, D)
+    q, k, v = (x[0][:, index].transpose(0, 1) for x, index in  # (1, H or Hkv, N, D) → (G, H or Hkv, W, D)
                ((query, p["q_index"]), (key, p["k_index"]), (value, p["k_index"])))
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=p["mask"][:, None], dropout_p=dropout, scale=scaling,
-        enable_gqa=key.shape[1] != query.shape[1])  # (G, H, Wq, D)
+    # Grouped-query attention (Hkv < H): each KV head repeated for its H / Hkv query heads, as transformers does
+    # whenever it passes a mask. CUDA's flash kernel takes no mask and its memory-efficient one no enable_gqa, so a
+    # mask with enable_gqa=True falls to the math kernel, fp32 (G, H, Wq, Wk) scores in every layer (issue 22).
+    if (groups := query.shape[1] // key.shape[1]) > 1:
+        k, v = (x.repeat_interleave(groups, dim=1) for x in (k, v))  # (G, H, Wk, D)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=p["mask"][:, None], dropout_p=dropout,
+                                                           scale=scaling)  # (G, H, Wq, D)
     return out.transpose(1, 2)[p["q_valid"]][None], None  # (1, N, H, D), as transformers' attention functions return
 
 
@@ -244,15 +255,27 @@ def micro_batch(batch: dict, inds, device):
     q_keep = mb["query_mask"].any(0).nonzero()[0, 0]  # first column any query uses
     r_keep = int(response_tokens(mb).any(0).nonzero()[-1, 0]) + 1  # last column any response uses
     for k, v in mb.items():
-        if k in ("queries", "query_mask"):
+        if k in PROMPT_KEYS:
             mb[k] = v[:, q_keep:]
-        elif v.dim() == 2:
+        elif v.dim() >= 2:
             mb[k] = v[:, :r_keep]
     return {k: v.to(device) for k, v in mb.items()}
 
 
-def split_micro(inds, lengths, size: int, max_tokens: int = 0):
-    """Split indices into micro-batches of `size` rows, or (max_tokens > 0) greedily by a token budget."""
+def same_count(count: int) -> int:
+    """The most micro-batches any process makes, on one process: its own count (see split_micro)."""
+    return count
+
+
+def split_micro(inds, lengths, size: int, max_tokens: int = 0, largest_count=same_count):
+    """Split indices into micro-batches of `size` rows, or (max_tokens > 0) greedily by a token budget.
+
+    By a budget each process would make its own number of micro-batches from its own lengths, and every forward is
+    a round of collectives (FSDP2's all-gathers, DDP's buffer broadcast): a process with fewer would leave the
+    others waiting forever (issue 22). So all make as many as the one that makes most, largest_count(own count)
+    (infra.distributed.max_over_processes, as verl all-reduces it), halving their largest micro-batches to get
+    there; every process holds as many rows, so there are enough.
+    """
     if max_tokens <= 0:
         return [inds[i:i + size] for i in range(0, len(inds), size)]
     order = sorted(inds.tolist(), key=lambda i: lengths[i])
@@ -263,10 +286,45 @@ def split_micro(inds, lengths, size: int, max_tokens: int = 0):
             cur, longest = [], 0
         cur.append(i)
         longest = max(longest, lengths[i])
-    return out + [torch.tensor(cur)]
+    out.append(torch.tensor(cur))
+    for _ in range(largest_count(len(out)) - len(out)):  # a part of a micro-batch stays within the budget
+        big = max(range(len(out)), key=lambda j: len(out[j]))
+        out[big:big + 1] = list(out[big].tensor_split(2))
+    return out
 
 
-def shared_prompt_logits(model, mb, **prompt_kwargs):
+def shared_inputs(mb: dict):
+    """The shared layout's two calls: each distinct prompt once, (U, Tq), then every response, (B, Tr), attending to
+    its prompt's KV cache; and row_of (B,), the prompt of each row."""
+    query_mask, responses = mb["query_mask"], mb["responses"]
+    prompt_ids, prompt_mask, row_of = distinct_prompts(mb)  # (U, Tq), (U, Tq), (B,)
+    prompt = dict(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=(prompt_mask.cumsum(1) - 1).clamp(
+        min=0))
+    positions = query_mask.sum(1, keepdim=True) + torch.arange(responses.shape[1], device=responses.device)
+    response = dict(input_ids=responses, attention_mask=torch.cat([query_mask, response_tokens(mb)], 1),
+                    position_ids=positions)
+    return prompt, response, row_of
+
+
+def response_attention(mb: dict):
+    """(B, 1, Tr, Tq+Tr) bool: response token i sees its real prompt tokens and its real tokens j ≤ i.
+
+    The shared layout's second call from the trunk passes it whole: transformers would size its own mask by the cache
+    of layer 0, which a forward from the trunk leaves empty."""
+    keys = torch.cat([mb["query_mask"], response_tokens(mb)], 1).bool()  # (B, Tq+Tr)
+    Tq, Tr = mb["query_mask"].shape[1], response_tokens(mb).shape[1]
+    arange = functools.partial(torch.arange, device=keys.device)
+    causal = arange(Tq + Tr)[None, :] <= Tq + arange(Tr)[:, None]  # (Tr, Tq+Tr)
+    return (keys[:, None, :] & causal[None])[:, None]
+
+
+def first_rows(row_of, count: int):
+    """(count,): the first row of each group 0 … count−1 of row_of (B,)."""
+    rows = torch.arange(len(row_of), device=row_of.device)
+    return torch.full((count,), len(row_of), device=row_of.device).scatter_reduce(0, row_of, rows, "amin")
+
+
+def shared_prompt_logits(model, mb, trunk: int = 0, **prompt_kwargs):
     """The model's outputs (logits, or values for a critic) at the positions that predict the response
     tokens, with each distinct prompt run once: (B, Tr, ·).
 
@@ -274,32 +332,78 @@ def shared_prompt_logits(model, mb, **prompt_kwargs):
     distinct prompts go through the model once; their KV cache is gathered to the B rows (index_select
     keeps the autograd graph, so gradients still reach weights through the prompt) and the responses
     attend to it. Equal to the padded path within fp32 rounding (tests/test_packing.py).
+    trunk = L > 0: both calls start at layer L from mb's trunk_prompt / trunk_response (infra/trunk.py).
     """
     from transformers import DynamicCache
 
-    query_mask, responses = mb["query_mask"], mb["responses"]
-    prompt_ids, prompt_mask, row_of = distinct_prompts(mb)  # (U, Tq), (U, Tq), (B,)
+    prompt, response, row_of = shared_inputs(mb)
+    prompt_hidden = response_hidden = None
+    if trunk:
+        prompt_hidden = mb["trunk_prompt"][first_rows(row_of, len(prompt["input_ids"]))]  # (U, Tq, H)
+        response_hidden, response["attention_mask"] = mb["trunk_response"], response_attention(mb)  # (B, Tr, H)
     cache = DynamicCache()  # filled by the first call, read by the second (a critic does not return it)
-    prompt = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=(prompt_mask.cumsum(1) - 1).clamp(
-        min=0), past_key_values=cache, use_cache=True, **prompt_kwargs).logits[:, -1:]  # (U, 1, ·)
+    with from_trunk(model, trunk, prompt_hidden):
+        first = model(**prompt, past_key_values=cache, use_cache=True, **prompt_kwargs).logits[:, -1:]  # (U, 1, ·)
     cache.reorder_cache(row_of)  # (U, …) → (B, …): each row gets its prompt's keys and values
-    positions = query_mask.sum(1, keepdim=True) + torch.arange(responses.shape[1], device=responses.device)
-    out = model(input_ids=responses, attention_mask=torch.cat([query_mask, response_tokens(mb)], 1),
-                position_ids=positions, past_key_values=cache, use_cache=True)
-    return torch.cat([prompt[row_of], out.logits[:, :-1]], dim=1)  # (B, 1 + Tr − 1, ·)
+    with from_trunk(model, trunk, response_hidden):
+        out = model(**response, past_key_values=cache, use_cache=True)
+    return torch.cat([first[row_of], out.logits[:, :-1]], dim=1)  # (B, 1 + Tr − 1, ·)
 
 
-def forward_logprobs(model, mb, temperature: float, dtype, with_entropy: bool, layout: str = "padded"):
-    """log π(response token t | prefix) and the entropy at each response position, (B, Tr) each (batch_layout)."""
+def trunk_hidden(mb: dict, layout: str):
+    """The trunk's output for the one call of a padded or packed forward: (B, Tq+Tr, H) or (1, N, H)."""
+    if layout == "padded":
+        return torch.cat([mb["trunk_prompt"], mb["trunk_response"]], 1)
+    _, prompt_mask, row_of = distinct_prompts(mb)  # packed_inputs' row: the distinct prompts, then the responses
+    prompts = mb["trunk_prompt"][first_rows(row_of, len(prompt_mask))]  # (U, Tq, H)
+    return torch.cat([prompts[prompt_mask.bool()], mb["trunk_response"][response_tokens(mb).bool()]])[None]
+
+
+def trunk_states(model, mb, dtype, layout: str, layers: int) -> dict:
+    """The trunk's output (decoder layer layers−1) at every prompt and response position of each row, computed once in
+    the layout: {"trunk_prompt": (B, Tq, H), "trunk_response": (B, Tr, H)}, fp32 (the residual stream's dtype).
+
+    Only layers 0 … layers−1 run (trunk.trunk_only), each call's head at one position. Shared: each distinct prompt
+    once, its result given to each of its rows; packed: the row's tokens put back in place, 0 at padding."""
+    from transformers import DynamicCache
+
+    Tq = mb["queries"].shape[1]
+    with autocast(mb["responses"].device, dtype), trunk_only(model, layers) as out:
+        if layout == "shared":
+            prompt, response, row_of = shared_inputs(mb)
+            cache = DynamicCache()
+            model(**prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            cache.reorder_cache(row_of)
+            model(**response, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            return {"trunk_prompt": out[0][row_of], "trunk_response": out[1]}
+        if layout == "packed":
+            inputs, _ = packed_inputs(mb)
+            model(**inputs, logits_to_keep=1, use_cache=False)
+            _, prompt_mask, row_of = distinct_prompts(mb)
+            prompt_mask, real, H = prompt_mask.bool(), response_tokens(mb).bool(), out[0].shape[-1]
+            prompts = out[0].new_zeros(*prompt_mask.shape, H)  # (U, Tq, H)
+            responses = out[0].new_zeros(*real.shape, H)  # (B, Tr, H)
+            n_prompt = int(prompt_mask.sum())
+            prompts[prompt_mask], responses[real] = out[0][0, :n_prompt], out[0][0, n_prompt:]
+            return {"trunk_prompt": prompts[row_of], "trunk_response": responses}
+        model(**model_inputs(mb), logits_to_keep=1, use_cache=False)
+        return {"trunk_prompt": out[0][:, :Tq], "trunk_response": out[0][:, Tq:]}
+
+
+def forward_logprobs(model, mb, temperature: float, dtype, with_entropy: bool, layout: str = "padded",
+                     trunk: int = 0):
+    """log π(response token t | prefix) and the entropy at each response position, (B, Tr) each (batch_layout).
+    trunk = L > 0: from mb's trunk states, at decoder layer L (infra/trunk.py)."""
     Tr, mask = mb["responses"].shape[1], response_tokens(mb).bool()
     keep = None
     with autocast(mb["responses"].device, dtype):
         if layout == "shared":
-            logits = shared_prompt_logits(model, mb, logits_to_keep=1)  # (B, Tr, V)
+            logits = shared_prompt_logits(model, mb, trunk, logits_to_keep=1)  # (B, Tr, V)
         else:
             inputs, keep = packed_inputs(mb) if layout == "packed" else (model_inputs(mb), None)
             # logits only where they predict a response token: (B, Tr, V) or (K, V), never (B, Tq+Tr, V)
-            logits = model(**inputs, logits_to_keep=Tr + 1 if keep is None else keep, use_cache=False).logits
+            with from_trunk(model, trunk, trunk_hidden(mb, layout) if trunk else None):
+                logits = model(**inputs, logits_to_keep=Tr + 1 if keep is None else keep, use_cache=False).logits
             logits = logits[:, :-1] if keep is None else logits[0]  # (B, Tr, V) or (K, V)
     targets = mb["responses"] if keep is None else mb["responses"][mask]
     logprobs, entropy = chunked_logprobs_entropy(logits, targets, temperature, with_entropy, LOGITS_CHUNK)
@@ -309,14 +413,16 @@ def forward_logprobs(model, mb, temperature: float, dtype, with_entropy: bool, l
     return logprobs, entropy
 
 
-def forward_values(critic, mb, dtype, layout: str = "padded"):
-    """V(s_t) before each response token, from the same positions as the logprobs: (B, Tr)."""
+def forward_values(critic, mb, dtype, layout: str = "padded", trunk: int = 0):
+    """V(s_t) before each response token, from the same positions as the logprobs: (B, Tr).
+    trunk = L > 0: from mb's trunk states, at decoder layer L (infra/trunk.py)."""
     if layout == "shared":
         with autocast(mb["responses"].device, dtype):
-            return shared_prompt_logits(critic, mb)[..., 0].float()
+            return shared_prompt_logits(critic, mb, trunk)[..., 0].float()
     inputs, keep = packed_inputs(mb) if layout == "packed" else (model_inputs(mb), None)
     Tr, mask = mb["responses"].shape[1], response_tokens(mb).bool()
-    with autocast(inputs["input_ids"].device, dtype):
+    hidden = trunk_hidden(mb, layout) if trunk else None  # the trunk's output for this call, or the whole critic
+    with autocast(inputs["input_ids"].device, dtype), from_trunk(critic, trunk, hidden):
         values = critic(**inputs, use_cache=False).logits[..., 0].float()  # (B, Tq+Tr) or (1, N)
     if keep is None:
         return values[:, -Tr - 1:-1]
@@ -329,22 +435,36 @@ class Forward:
     temperature: float  # the sampler's: log-probabilities of softmax(logits / T)
     dtype: Optional[torch.dtype]  # autocast dtype (None: fp32)
     layout: str  # "padded", "shared" or "packed" (batches.batch_layout)
+    trunk: Optional[Trunk] = None  # frozen layers run once per step (trunk.plan_trunk); None: whole-model forwards
 
     def logprobs(self, model, mb, with_entropy: bool = False):
         """log π(y_t | prefix) of the response tokens, and their entropies when with_entropy: (B, Tr) each."""
         return forward_logprobs(model, mb, self.temperature, self.dtype, with_entropy=with_entropy,
-                                layout=self.layout)
+                                layout=self.layout, trunk=self.trunk.layers if self.trunk else 0)
 
     def values(self, critic, mb):
         """V(s_t) before each response token: (B, Tr)."""
-        return forward_values(critic, mb, self.dtype, layout=self.layout)
+        shared = self.trunk is not None and self.trunk.critic
+        return forward_values(critic, mb, self.dtype, layout=self.layout, trunk=self.trunk.layers if shared else 0)
+
+    def trunk_states(self, policy, mb) -> dict:
+        """The trunk's output at every position of mb's rows: trunk_prompt (B, Tq, H), trunk_response (B, Tr, H)."""
+        return trunk_states(policy, mb, self.dtype, self.layout, self.trunk.layers)
 
 
 @torch.no_grad()
-def per_token_pass(fn, batch, size, max_tokens, lengths, device):
-    """Run fn(micro-batch) → (b, tr) over the batch without grad; reassemble the (B, Tr) result."""
-    out = torch.zeros(batch["responses"].shape, dtype=torch.float32)
-    for inds in split_micro(torch.arange(len(lengths)), lengths, size, max_tokens):
-        result = fn(micro_batch(batch, inds, device)).float().cpu()
-        out[inds, :result.shape[1]] = result
-    return out
+def per_token_pass(fn, batch, size, max_tokens, lengths, device, largest_count=same_count):
+    """Run fn(micro-batch) over the batch without grad (micro-batches as split_micro makes them); reassemble its
+    (b, tr) results as (B, Tr), or its dicts of per-row tensors {key: (b, t, …)} each as (B, T, …), placed as
+    micro_batch cut them (PROMPT_KEYS at the end of the prompt columns, other keys at the start of the response
+    columns)."""
+    out = {}
+    for inds in split_micro(torch.arange(len(lengths)), lengths, size, max_tokens, largest_count):
+        result = fn(micro_batch(batch, inds, device))
+        for key, part in (result.items() if isinstance(result, dict) else [(None, result)]):
+            part, prompt = part.float().cpu(), key in PROMPT_KEYS
+            B, T = batch["queries" if prompt else "responses"].shape
+            whole = out.setdefault(key, torch.zeros(B, T, *part.shape[2:]))
+            columns = slice(T - part.shape[1], T) if prompt else slice(0, part.shape[1])
+            whole[inds, columns] = part
+    return out if isinstance(result, dict) else out[None]

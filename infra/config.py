@@ -2,8 +2,10 @@
 
 ppo.py reads `Config`, reward_model.py `RewardModelStage`; they share the LoRA and run fields. configs.yaml is
 generated from these dataclasses (`python tools/configs_yaml.py > configs.yaml`, every key with its documentation as a
-comment); cli.py reads a YAML file and dotted overrides into them and checks every value (types, RANGES).
+comment); cli.py reads a YAML file and dotted overrides into them and checks every value (types, RANGES). At the end:
+the batch sizes ppo.py derives (check_sizes) and the settings that cannot work together (check_combinations).
 """
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
@@ -39,6 +41,10 @@ class ModelConfig(LoRAFields):
     share_prompt_prefix: bool = True
     """without packing: run each distinct prompt of a micro-batch once and let its n responses attend to
     its KV cache (policy, reference and critic forwards; not with gradient checkpointing or FSDP)"""
+    share_trunk: bool = True
+    """with LoRA on the top lora_top_layers layers only: run the frozen layers below them once per step, and start
+    the reference, old-logprob, value and update forwards above them; a critic on model.path with LoRA then holds
+    only those top layers and its head, not a second copy of the base (infra/trunk.py)"""
 
 
 @dataclass
@@ -93,12 +99,15 @@ class RolloutConfig:
     """most tokens per response (multi-turn: every turn and tool answer of it together)"""
     val_temperature: float = 0.0
     """temperature for validation (0 = greedy)"""
+    val_n: int = 1
+    """samples per validation prompt (verl's val_kwargs.n); above 1 (with val_temperature > 0) validation logs
+    mean@k, unbiased pass@k and, where the rule names its answer, maj@k per data_source (Scorer.validation_metrics)"""
     gpu_memory_utilization: float = 0.2
     """vLLM's memory share for weights and KV cache (on CPU, a share of host RAM)"""
     enforce_eager: bool = True
     """vLLM: no CUDA graphs"""
     dtype: Literal["auto", "bf16", "fp32"] = "auto"
-    """vLLM weights dtype; auto = bf16 where the hardware runs it fast, else fp32 (as model.dtype)"""
+    """vLLM weights dtype; auto = the dtype model.dtype resolves to (so model.dtype=fp32 samples in fp32 too)"""
     free_cache_engine: bool = False
     """vLLM on GPU: sleep the engine (free its KV cache) while training"""
     micro_batch_size: int = 64
@@ -124,10 +133,22 @@ class KLControlConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    enable: bool = False
+    """DAPO's dynamic sampling (Yu et al., 2025; verl's algorithm.filter_groups): drop the prompts whose rollout.n
+    scores are all equal (no advantage to learn from) and generate for more prompts until the step has
+    data.train_batch_size of them; each process fills its own share"""
+    max_num_gen_batches: int = 10
+    """most generate rounds of data.train_batch_size prompts per step, the first included; a step still short after
+    them stops the run with the counts (verl's key; its 0 = unbounded has no equivalent here)"""
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "gae"
     """advantage estimator, a name in advantages.ESTIMATORS: gae (with the critic), grpo (group-normalised), rloo
-    (leave-one-out), reinforce_plus_plus (discounted return per token, whitened over the global batch)"""
+    (leave-one-out), reinforce_plus_plus (discounted return per token, whitened over the global batch),
+    reinforce_plus_plus_baseline (the score minus its group's mean, whitened over the global batch)"""
     gamma: float = 1.0
     """discount factor for GAE and REINFORCE++"""
     lam: float = 0.95
@@ -148,10 +169,22 @@ class AlgorithmConfig:
     """weight of the KL loss"""
     kl_loss_type: str = "k3"
     """KL estimator for the KL loss, a name in kl.ESTIMATORS"""
-    rollout_is: Literal["off", "token", "sequence"] = "off"
-    """truncated importance sampling for rollout/training mismatch"""
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    """dynamic sampling"""
+    rollout_is: Literal["off", "token", "sequence", "sequence_mean"] = "off"
+    """truncated importance sampling for the sampler/trainer gap (needs the sampler's logprobs: rollout.name=vllm):
+    the policy loss × min(ρ, rollout_is_threshold), ρ = π_old/π_rollout per token, per response (the product), or
+    per response length-normalised (the geometric mean); off still logs the token weights"""
     rollout_is_threshold: float = 2.0
     """upper bound of the rollout importance weight"""
+    rollout_rs: Literal["off", "token", "sequence", "sequence_mean"] = "off"
+    """rollout rejection sampling (verl's rollout_rs token_k1 / seq_sum_k1 / seq_mean_k1; needs rollout.name=vllm):
+    a token, or a whole response, whose ratio ρ (as rollout_is) leaves [rollout_rs_threshold_lower,
+    rollout_rs_threshold] is left out of the policy loss"""
+    rollout_rs_threshold: float = 2.0
+    """upper bound of ρ kept by rejection"""
+    rollout_rs_threshold_lower: float = 0.0
+    """lower bound of ρ kept by rejection; 0 = 1 / rollout_rs_threshold (as verl)"""
 
 
 @dataclass
@@ -183,17 +216,23 @@ class ActorConfig:
     log_prob_micro_batch_size_per_device: int = 64
     """sequences per no-grad forward for old/ref logprobs and values"""
     policy_loss: str = "vanilla"
-    """the per-token policy loss, a name in losses.POLICY_LOSSES: vanilla (PPO's clipped surrogate)"""
+    """the per-token policy loss, a name in losses.POLICY_LOSSES: vanilla (PPO's clipped surrogate), gspo (one
+    length-normalised ratio per response, Zheng et al. 2025), cispo (clipped, stop-gradient importance weight,
+    MiniMax-M1)"""
     clip_ratio_low: float = 0.2
-    """PPO clip: ratio ≥ 1 − clip_ratio_low"""
+    """PPO clip: ratio ≥ 1 − clip_ratio_low (1: no lower bound, as CISPO)"""
     clip_ratio_high: float = 0.2
     """PPO clip: ratio ≤ 1 + clip_ratio_high"""
     clip_ratio_c: float = 3.0
     """dual-clip bound for negative advantages (Ye et al., 2020)"""
     entropy_coef: float = 0.0
     """entropy bonus weight"""
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
-    """how per-token losses are averaged over the mini-batch"""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                           "seq-mean-token-sum-norm"] = "token-mean"
+    """how per-token losses are averaged over the mini-batch (seq-mean-token-sum-norm: Dr. GRPO's sum over
+    tokens / (sequences × loss_scale_factor))"""
+    loss_scale_factor: float = 0.0
+    """the constant normaliser of seq-mean-token-sum-norm (verl's key); 0 = rollout.max_response_length"""
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
     use_dynamic_bsz: bool = False
@@ -282,6 +321,14 @@ class RewardConfig:
     """sequences per reward-model forward"""
     overlong_penalty: float = 0.0
     """added to the score of a response that hit max_response_length without EOS"""
+    overlong_buffer_len: int = 0
+    """DAPO's soft overlong punishment (Yu et al., 2025, eq. 13; verl's reward_manager=dapo overlong_buffer.len):
+    a response longer than rollout.max_response_length − this many tokens loses overlong_penalty_factor × the share
+    of the buffer it used; 0 = off"""
+    overlong_penalty_factor: float = 1.0
+    """the soft punishment at a response of rollout.max_response_length tokens"""
+    overlong_filter: bool = False
+    """DAPO's overlong filtering: responses cut off at max_response_length (no EOS) are left out of the policy loss"""
     judge: JudgeConfig = field(default_factory=JudgeConfig)
     """the LLM judge (reward.type=judge or rule+judge)"""
 
@@ -329,6 +376,14 @@ class TrainerConfig(RunFields):
     """what to do then"""
     plot_curves: bool = True
     """write curves.png at the end"""
+    best_metric: Optional[str] = None
+    """a validation metric (e.g. val/score/mean; higher is better): the checkpoint where it was highest is kept in
+    output_dir/best/, which keep_checkpoints never deletes (export it with tools/export.py); null = off"""
+    rollback_tolerance: Optional[float] = None
+    """when best_metric falls more than this below its best at a validation, restore best/'s weights, optimiser
+    states and β and train on from there (the step count, data order and LR schedule go on); null = never"""
+    max_rollbacks: int = 3
+    """most rollbacks in a run (train/rollbacks counts them)"""
 
 
 @dataclass
@@ -417,17 +472,74 @@ def exact_div(a: int, b: int, what: str) -> int:
     return a // b
 
 
+@dataclass(frozen=True)
+class Sizes:
+    """Batch sizes derived from the config, computed and checked once (check_sizes); per process unless said."""
+    prompts: int  # prompts per step
+    batch: int  # B: sequences per step (prompts × rollout.n)
+    num_mini: int  # mini-batches (optimiser steps) per PPO epoch, the same on every process
+    mini: int  # sequences per mini-batch
+    actor_micro: int  # sequences per actor forward/backward (gradient accumulation fills the mini-batch)
+    critic_micro: int  # sequences per critic forward/backward
+
+
+def check_sizes(cfg, world: int, num_rows: int) -> Sizes:
+    """ppo.py's derived batch sizes; one that does not divide fails here with a sentence, before any model loads."""
+    d, a, n = cfg.data, cfg.actor, cfg.rollout.n
+    if num_rows < d.train_batch_size:
+        raise ConfigError(f"data.train_files has {num_rows} usable prompts, fewer than "
+                          f"data.train_batch_size={d.train_batch_size}")
+    prompts = exact_div(d.train_batch_size, world, "data.train_batch_size across processes")
+    num_mini = exact_div(d.train_batch_size, a.ppo_mini_batch_size,
+                         "data.train_batch_size by actor.ppo_mini_batch_size (prompts per mini-batch)")
+    mini = exact_div(a.ppo_mini_batch_size * n, world, "actor.ppo_mini_batch_size × rollout.n across processes")
+    actor_micro = min(a.ppo_micro_batch_size_per_device, mini)
+    exact_div(mini, actor_micro, "sequences per mini-batch on one process by actor.ppo_micro_batch_size_per_device")
+    critic_micro = min(cfg.critic.ppo_micro_batch_size_per_device, mini)
+    exact_div(mini, critic_micro, "sequences per mini-batch on one process by critic.ppo_micro_batch_size_per_device")
+    return Sizes(prompts, prompts * n, num_mini, mini, actor_micro, critic_micro)
+
+
+def check_combinations(cfg) -> None:
+    """ppo.py's settings that cannot work together fail here, before anything loads, one sentence each."""
+    alg, ro, t = cfg.algorithm, cfg.rollout, cfg.trainer
+    asked = [f"algorithm.{key}={getattr(alg, key)}" for key in ("rollout_is", "rollout_rs")
+             if getattr(alg, key) != "off"]
+    if asked and (ro.name == "hf" or importlib.util.find_spec("vllm") is None):
+        raise ConfigError(f"{' and '.join(asked)} corrects by the sampler's own logprobs, which only rollout.name=vllm "
+                          f"gives ({'rollout.name is hf' if ro.name == 'hf' else 'vLLM is not installed'}); "
+                          f"use rollout.name=vllm, or set {' and '.join(a.split('=')[0] for a in asked)} to off")
+    if alg.rollout_rs_threshold_lower > alg.rollout_rs_threshold:
+        raise ConfigError(f"algorithm.rollout_rs_threshold_lower={alg.rollout_rs_threshold_lower} is above "
+                          f"algorithm.rollout_rs_threshold={alg.rollout_rs_threshold}, so rejection would keep nothing")
+    if alg.filter_groups.enable and ro.n < 2:
+        raise ConfigError(f"algorithm.filter_groups.enable keeps the prompts whose samples score differently: set "
+                          f"rollout.n ≥ 2 (it is {ro.n})")
+    if ro.val_n > 1 and ro.val_temperature == 0:
+        raise ConfigError(f"rollout.val_n={ro.val_n} greedy samples (rollout.val_temperature=0) are one answer "
+                          f"{ro.val_n} times: set rollout.val_temperature > 0, e.g. 1.0, or rollout.val_n=1")
+    if cfg.reward.overlong_buffer_len > ro.max_response_length:
+        raise ConfigError(f"reward.overlong_buffer_len={cfg.reward.overlong_buffer_len} is longer than "
+                          f"rollout.max_response_length={ro.max_response_length}: make it at most that")
+    if t.best_metric and not cfg.data.val_files:
+        raise ConfigError(f"trainer.best_metric={t.best_metric} needs validation: set data.val_files")
+    if t.rollback_tolerance is not None and not t.best_metric:
+        raise ConfigError("trainer.rollback_tolerance rolls back to the best checkpoint: set trainer.best_metric too "
+                          "(e.g. val/score/mean)")
+
+
+
 # The range of every number, by field name (a name means the same thing in every section). Any number not
 # listed must be ≥ 0. Every number must be finite; a list (betas) is checked element by element.
 RANGES = {
-    "[1, inf)": "n train_batch_size max_prompt_length max_response_length micro_batch_size ppo_epochs "
-                "ppo_mini_batch_size ppo_micro_batch_size_per_device log_prob_micro_batch_size_per_device "
+    "[1, inf)": "n val_n max_num_gen_batches train_batch_size max_prompt_length max_response_length micro_batch_size "
+                "ppo_epochs ppo_mini_batch_size ppo_micro_batch_size_per_device log_prob_micro_batch_size_per_device "
                 "max_token_len_per_device horizon total_steps max_kl_window batch_size micro_batch_size_per_device "
                 "max_length lora_alpha max_turns max_tool_response_length max_tokens max_concurrency",
-    "(0, inf)": "lr target_kl max_grad_norm rollout_is_threshold clip tool_timeout timeout",
+    "(0, inf)": "lr target_kl max_grad_norm rollout_is_threshold rollout_rs_threshold clip tool_timeout timeout",
     "(0, 1]": "top_p gpu_memory_utilization",
-    "[0, 1]": "gamma lam warmup_ratio min_lr_ratio",
-    "[0, 1)": "lora_dropout betas clip_ratio_low",
+    "[0, 1)": "lora_dropout betas",
+    "[0, 1]": "gamma lam warmup_ratio min_lr_ratio clip_ratio_low",
     "(1, inf)": "clip_ratio_c",
     "[-1, inf)": "top_k",
     "(-inf, inf)": "rule_weight model_weight overlong_penalty min_score max_score weight",

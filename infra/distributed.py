@@ -1,4 +1,7 @@
-"""How models are spread over processes, and how a run's training state is saved and restored.
+"""The device a run computes on, how models are spread over processes, and how a run's training state is saved and
+restored.
+
+    accelerator = Accelerator(cpu=use_cpu())      # ppo.py, reward_model.py: GPUs torch cannot use stop the run
 
     accelerate launch ppo.py ...                                          1 process
     accelerate launch --num_processes 2 ppo.py ...                        DDP: a replica per process
@@ -15,6 +18,7 @@ everything else as JSON: nothing in a checkpoint is unpickled, so a planted file
 import json
 import os
 import random
+import subprocess
 from dataclasses import dataclass
 from typing import Optional
 
@@ -25,8 +29,62 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
                                                      set_optimizer_state_dict, StateDictOptions)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard, MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
 
 from infra.config import ConfigError
+
+
+# ---------------------------------------------------------------------------------------
+# The device, and what every process must agree on
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs nvidia-smi lists ("GPU 0: NVIDIA H200 (UUID: …)"), none where CUDA_VISIBLE_DEVICES hides them all."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "0").strip() in ("", "-1"):
+        return []
+    try:
+        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [line for line in listing.splitlines() if line.startswith("GPU ")]
+
+
+def use_cpu() -> bool:
+    """Does this run compute on the CPU? Yes without a GPU; where torch can use CUDA, only when asked (`accelerate
+    launch --cpu`). GPUs that nvidia-smi lists but torch cannot use (a CPU build of torch, or a driver older than its
+    CUDA) stop the run here, in one sentence, rather than training every process on the CPU over gloo without a word
+    (issue 22); hiding them (CUDA_VISIBLE_DEVICES="") is how to ask for the CPU on purpose."""
+    if os.environ.get("ACCELERATE_USE_CPU", "false").lower() in ("1", "true", "yes"):
+        return True
+    if torch.cuda.is_available():
+        return False
+    if gpus := visible_gpus():
+        why = ("it is a CPU build" if torch.version.cuda is None else
+               f"it is built for CUDA {torch.version.cuda}, which needs a newer driver or access to /dev/nvidia*")
+        raise ConfigError(f"nvidia-smi lists {len(gpus)} GPU(s) but torch {torch.__version__} cannot use them ({why}): "
+                          f"install the CUDA build on this machine (make install DEVICE=cuda), or hide the GPUs to run "
+                          f"on the CPU on purpose (CUDA_VISIBLE_DEVICES= accelerate launch …)")
+    return True  # no GPU here
+
+
+def max_over_processes(count: int) -> int:
+    """The largest `count` of all processes (a collective: every process calls it); `count` itself on one."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return count
+    nccl = "nccl" in torch.distributed.get_backend()  # NCCL reduces device tensors only
+    t = torch.tensor([count], device=torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu")
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return int(t.item())
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """A tensor whole: an FSDP2 shard (a DTensor) all-gathered, a collective that every process calls in the same
+    order. Under CPU offload the shards live in host memory, and NCCL gathers device tensors: they move first."""
+    if not isinstance(t, DTensor):
+        return t
+    if t.device.type != t.device_mesh.device_type:
+        t = t.to(t.device_mesh.device_type)
+    return t.full_tensor()
 
 
 @dataclass
@@ -131,9 +189,12 @@ def _tensors(models: dict) -> dict:
 
 
 def rng_state() -> dict:
+    """This process's generators: Python's, torch's CPU one and, on a GPU, that of its own device only. Each process
+    drives one device; saving every visible device's (get_rng_state_all) made a resume that sees fewer GPUs fail
+    restoring the ones it lacks (issue 22)."""
     state = {"python": random.getstate(), "torch": torch.get_rng_state().tolist()}
     if torch.cuda.is_available():
-        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+        state["cuda"] = torch.cuda.get_rng_state().tolist()  # the current device's
     return state
 
 
@@ -142,7 +203,7 @@ def set_rng_state(state: dict) -> None:
     random.setstate((version, tuple(internal), gauss))
     torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))  # into the current device
 
 
 def save_training_state(path: str, models: dict, state: dict) -> None:

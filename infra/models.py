@@ -1,9 +1,9 @@
 """Every model the library builds, in one place: the actor (policy), the reference, the critic (value model) and the
-reward model's classifier, loaded from HF folders in fp32 (the master weights), with LoRA where asked and spread
-over the processes (infra/distributed.py); the tokenizer; the checks of a model folder before anything loads; and
-saving a model as an HF folder.
+reward model's classifier, loaded from HF folders in fp32 (the master weights; on a GPU the frozen reference in the
+compute dtype), with LoRA where asked and spread over the processes (infra/distributed.py); the tokenizer; the
+checks of a model folder before anything loads; and saving a model as an HF folder.
 
-    policy, ref, critic = load_models(cfg, accelerator, fsdp, layout, with_critic=True)      # ppo.py
+    policy, ref, critic = load_models(cfg, accelerator, fsdp, fwd, with_critic=True)      # ppo.py
 
 transformers and peft are imported inside the functions that use them: `--help` and a mistake in the config
 then answer in about 2 s, without their 3 s import.
@@ -14,9 +14,10 @@ import shutil
 
 import torch
 
-from infra.batches import use_varlen_attention
+from infra.batches import autocast_dtype, use_varlen_attention
 from infra.config import ConfigError
 from infra.distributed import describe, distribute
+from infra.trunk import describe_trunk, NoEmbedding, Replay
 
 
 def load_tokenizer(path: str, key: str = "model.path"):
@@ -95,31 +96,70 @@ def check_model_folders(cfg_model, critic_path) -> None:
         check_model_path(critic_path, "critic.model_path")
 
 
-def load_reference(path: str):
-    """The frozen reference policy (eval mode, no gradients)."""
+def reference_dtype(device: torch.device, compute_dtype) -> torch.dtype:
+    """The frozen reference's weights: the compute dtype (model.dtype) on a GPU, half the memory of fp32, as verl loads
+    every model it does not train; fp32 on a CPU, where bf16 is slow and the tests compare fp32 runs. It only runs
+    forwards, so the one difference is rounding: under bf16 its residual stream is bf16 too, while the policy's fp32
+    master weights keep it fp32 under autocast, so kl/mean starts a little above 0."""
+    return compute_dtype if device.type == "cuda" and compute_dtype is not None else torch.float32
+
+
+def load_reference(path: str, dtype: torch.dtype = torch.float32):
+    """The frozen reference policy (eval mode, no gradients), in `dtype` (reference_dtype)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval().requires_grad_(False)
 
 
-def load_critic(path: str) -> torch.nn.Module:
+def load_critic(path: str, trunk_layers: int = 0) -> torch.nn.Module:
     """A token-level value model (fp32 weights) from a policy or reward-model folder: a causal-LM backbone with a
     scalar head on every token (`AutoModelForTokenClassification`, num_labels=1, as verl). From a policy the head
     starts random; from a reward model (reward_model.py's `AutoModelForSequenceClassification`, whose head is also
-    called `score`) it starts as the reward model's head, so values begin on the scale of the scores."""
+    called `score`) it starts as the reward model's head, so values begin on the scale of the scores.
+
+    trunk_layers = L > 0: the critic shares the actor's frozen trunk (infra/trunk.py) and holds only decoder layers
+    L … n−1, the final norm and the head (`without_trunk`); it is then run from the trunk's hidden states."""
     import transformers
     from transformers import AutoConfig, AutoModelForTokenClassification
 
     config = AutoConfig.from_pretrained(path, num_labels=1)
     config.classifier_dropout = 0.0  # dropout would make values differ between rollout and update
+    model_class = without_trunk(config, trunk_layers) if trunk_layers else AutoModelForTokenClassification
     # From a policy, transformers reports lm_head as unused and the head as new: expected, so quiet.
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
-    model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch.float32)
+    model = model_class.from_pretrained(path, config=config, dtype=torch.float32)
     transformers.logging.set_verbosity(verbosity)
     if model.config.pad_token_id is None:
         model.config.pad_token_id = model.config.eos_token_id
     return model
+
+
+def without_trunk(config, layers: int):
+    """The token-classification class of `config`'s model, holding no token embedding and no decoder layer below
+    `layers` (issue 25): the slots hold `Replay` and `NoEmbedding`, without weights.
+
+    The slots are emptied in __init__, which from_pretrained runs on the meta device before it allocates and loads
+    anything: so the trunk's weights (of a 30-layer SmolLM2 with 8 top layers, 4/5 of the model) are never in memory
+    twice, even while loading. What remains keeps the whole critic's names (model.layers.22.…), so a checkpoint is
+    the same with or without sharing, and its new head draws the same random numbers as the whole critic's."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING
+
+    if type(config) not in MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING:
+        raise ConfigError(f"model.share_trunk: transformers has no token classifier for {type(config).__name__}, so "
+                          f"the critic cannot be built on the actor's trunk; set model.share_trunk=false")
+    whole = MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING[type(config)]
+
+    class TopLayers(whole):
+        def __init__(self, config, *args, **kwargs):
+            super().__init__(config, *args, **kwargs)
+            replay, slots = Replay(), self.base_model.layers
+            for i in range(layers):
+                slots[i] = replay
+            self.set_input_embeddings(NoEmbedding(config.get_text_config().hidden_size))
+
+    TopLayers.__name__ = TopLayers.__qualname__ = f"{whole.__name__}AboveLayer{layers}"
+    return TopLayers
 
 
 def load_reward_classifier(path: str, pad_id: int, lora=None):
@@ -135,16 +175,19 @@ def load_reward_classifier(path: str, pad_id: int, lora=None):
     return model
 
 
-def load_models(cfg, accelerator, fsdp, layout: str, with_critic: bool):
+def load_models(cfg, accelerator, fsdp, fwd, with_critic: bool):
     """ppo.py's models: the actor, the frozen reference (None without a KL term, or with LoRA: the actor with its
     adapter disabled is the reference) and the critic (None unless with_critic), each sharded under FSDP2, else
-    replicated (distributed.distribute)."""
+    replicated (distributed.distribute). fwd: the run's batches.Forward — its layout, and its trunk (the critic
+    then holds only the layers above it: load_critic)."""
     policy = distribute(load_policy(cfg.model), accelerator, fsdp, trainable=True)
     ref = critic = None
     if (cfg.algorithm.use_kl_in_reward or cfg.algorithm.use_kl_loss) and cfg.model.lora_rank == 0:
-        ref = distribute(load_reference(cfg.model.path), accelerator, fsdp, trainable=False)
+        dtype = reference_dtype(accelerator.device, autocast_dtype(cfg.model.dtype))
+        ref = distribute(load_reference(cfg.model.path, dtype), accelerator, fsdp, trainable=False)
     if with_critic:
-        critic = load_critic(cfg.critic.model_path or cfg.model.path)
+        critic = load_critic(cfg.critic.model_path or cfg.model.path,
+                             fwd.trunk.layers if fwd.trunk and fwd.trunk.critic else 0)
         if cfg.critic.lora_rank > 0:
             critic = add_lora(critic, cfg.critic.lora_rank, cfg.critic.lora_alpha, cfg.model, "TOKEN_CLS")
         if cfg.model.gradient_checkpointing:
@@ -152,7 +195,9 @@ def load_models(cfg, accelerator, fsdp, layout: str, with_critic: bool):
         critic = distribute(critic, accelerator, fsdp, trainable=True)
     named = [(name, m) for name, m in (("policy", policy), ("critic", critic), ("reference", ref)) if m is not None]
     accelerator.print(describe(fsdp, accelerator, [name for name, _ in named]))
-    if layout == "packed":  # attention within each prompt / prompt+response group of the packed row
+    if fwd.trunk is not None:
+        accelerator.print(describe_trunk(fwd.trunk))
+    if fwd.layout == "packed":  # attention within each prompt / prompt+response group of the packed row
         for _, model in named:
             use_varlen_attention(accelerator.unwrap_model(model))
     return policy, ref, critic

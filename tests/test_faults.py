@@ -110,6 +110,18 @@ PPO_CASES = {
     "prompt of 0 tokens": (lambda tmp, root: [f"model.tokenizer_path={tokenizer_only(tmp / 't', chat_template=False)}",
                                               f"data.train_files={prompts_file(tmp / 'p.parquet', 'What is 1?', '')}"],
                            "{tmp}/p.parquet row 1: the prompt is 0 tokens once rendered"),
+    "rollout_is without sampler logprobs": (  # base_args: rollout.name=hf, whose rollout has no logprobs (issue 21)
+        lambda tmp, root: ["algorithm.rollout_is=token"],
+        "algorithm.rollout_is=token corrects by the sampler's own logprobs, which only rollout.name=vllm gives "
+        "(rollout.name is hf); use rollout.name=vllm, or set algorithm.rollout_is to off"),
+    "rejection without sampler logprobs": (
+        lambda tmp, root: ["algorithm.rollout_rs=sequence_mean"],
+        "algorithm.rollout_rs=sequence_mean corrects by the sampler's own logprobs, which only rollout.name=vllm"),
+    "greedy validation at k": (lambda tmp, root: ["rollout.val_n=4"],
+                               "rollout.val_n=4 greedy samples (rollout.val_temperature=0) are one answer 4 times"),
+    "rollback without a best metric": (lambda tmp, root: ["trainer.rollback_tolerance=0.1"],
+                                       "trainer.rollback_tolerance rolls back to the best checkpoint: set "
+                                       "trainer.best_metric too"),
     "fixed key changed on resume": (
         lambda tmp, root: [f"trainer.output_dir={checkpoint_of(root, tmp / 'out', 'model.lora_rank=8')}",
                            "model.lora_rank=4"],

@@ -1,5 +1,6 @@
-"""The formulas of advantages.py, losses.py, critic.py, kl.py, infra/batches.py and infra/optim.lr_lambda: hand-computed cases, plain loops,
-and masking; and ppo.ActorLoss on a tiny model, for the switches that act inside it."""
+"""The formulas of advantages.py, losses.py, critic.py, kl.py, infra/batches.py, infra/optim.lr_lambda and rewards.py's
+overlong punishment and pass@k: hand-computed cases, plain loops, and masking (padding, and gaps inside a response);
+and ppo.ActorLoss on a tiny model, for the switches that act inside it."""
 import math
 
 import pytest
@@ -8,10 +9,12 @@ import torch
 from critic import explained_variance, value_loss
 from kl import KLController, kl_estimate, kl_penalty_rewards
 from infra.batches import chunked_logprobs_entropy, entropy_from_logits, logprobs_from_logits, split_micro
-from advantages import gae, grpo, masked_whiten, reinforce_plus_plus, rloo, Settings
-from losses import agg_loss, Clip, Counts, rollout_is_weights, vanilla
-from ppo import ActorLoss
+from advantages import (gae, grpo, masked_whiten, reinforce_plus_plus, reinforce_plus_plus_baseline, rloo, Settings,
+                        varied_groups)
+from losses import agg_loss, cispo, Clip, Counts, gspo, rejection_mask, rollout_is_weights, vanilla
+from ppo import ActorLoss, policy_loss_mask
 from infra.optim import lr_lambda
+from rewards import overlong_reward, pass_and_majority, pass_at_k
 
 
 def settings(gamma=1.0, lam=0.95, n=1, norm_by_std=True, whiten=False, reduce_sum=None):
@@ -28,6 +31,19 @@ def random_mask(B, T, seed=0):
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, T + 1, (B,), generator=g)
     return (torch.arange(T)[None] < lengths[:, None]).float()
+
+
+def mask_with_gaps(B, T, seed=0):
+    """A right-padded mask with holes (tool output inside an agent's response): in every row of 3 or more real tokens
+    the second is dropped and each later one but the last with probability ⅓, so a real token follows every gap."""
+    mask = random_mask(B, T, seed)
+    g = torch.Generator().manual_seed(seed)
+    holes = torch.rand(mask.shape, generator=g) < 1 / 3  # (B, T)
+    holes[:, 0], holes[:, 1] = False, True
+    holes[torch.arange(len(mask)), mask.sum(1).long() - 1] = False  # each row's last real token stays
+    gapped = mask * (~holes).to(mask.dtype)
+    assert torch.all(gapped[mask.sum(1) >= 3, 1] == 0)
+    return gapped
 
 
 # ---- GAE
@@ -59,6 +75,35 @@ def test_gae_equals_plain_loop_per_sequence():
         assert torch.all(adv[i, n:] == 0) and torch.all(ret[i, n:] == 0)
 
 
+def test_gae_steps_over_gaps_as_a_plain_loop():
+    """With gaps in the mask, GAE runs over the real tokens only, as if the gaps were cut out: a plain loop over each
+    row's real positions gives the same advantages and returns there (verl 0.9.1 carries V and Â over a gap), and
+    gap and padding positions hold 0."""
+    B, T, gamma, lam = 6, 10, 0.97, 0.9
+    mask = mask_with_gaps(B, T)
+    rewards, values = torch.randn(B, T), torch.randn(B, T)
+    adv, ret = gae(rewards, mask, values, settings(gamma, lam))
+    for i in range(B):
+        real, last = mask[i].nonzero()[:, 0].tolist(), 0.0
+        for k in reversed(range(len(real))):
+            t = real[k]
+            next_v = values[i, real[k + 1]].item() if k + 1 < len(real) else 0.0
+            last = rewards[i, t].item() + gamma * next_v - values[i, t].item() + gamma * lam * last
+            assert adv[i, t].item() == pytest.approx(last, abs=1e-5)
+            assert ret[i, t].item() == pytest.approx(last + values[i, t].item(), abs=1e-5)
+    assert torch.all(adv[mask == 0] == 0) and torch.all(ret[mask == 0] == 0)
+
+
+def test_gae_and_reinforce_plus_plus_ignore_what_gaps_hold():
+    """Rewards and values at gap positions change no advantage or return."""
+    mask = mask_with_gaps(5, 8, seed=1)
+    rewards, values = torch.randn(5, 8), torch.randn(5, 8)
+    for estimator in (gae, reinforce_plus_plus):
+        a1, r1 = estimator(rewards, mask, values, settings(0.9, 0.8))
+        a2, r2 = estimator(rewards + 100 * (1 - mask), mask, values - 50 * (1 - mask), settings(0.9, 0.8))
+        assert torch.allclose(a1, a2) and torch.allclose(r1, r2)
+
+
 def test_gae_ignores_padding():
     """Rewards and values at padded positions change nothing."""
     mask = random_mask(5, 7, seed=1)
@@ -68,7 +113,7 @@ def test_gae_ignores_padding():
     assert torch.allclose(a1, a2) and torch.allclose(r1, r2)
 
 
-# ---- GRPO / RLOO / whitening
+# ---- GRPO / RLOO / REINFORCE++-baseline / whitening / dynamic sampling's filter
 
 
 def test_grpo_hand_case():
@@ -103,6 +148,38 @@ def test_rloo_hand_case():
     assert torch.allclose(adv[:, 0], torch.tensor([1.0, -0.5, -0.5]))
 
 
+def test_reinforce_plus_plus_baseline_hand_case():
+    """Groups [1, 0] and [2, 2], one token each: R − mean_g R = [½, −½, 0, 0]; over the 4 tokens μ = 0,
+    σ² = (¼ + ¼)/4 = ⅛, so Â = [√2, −√2, 0, 0]: the equal group, centred to 0, stays at −μ/σ = 0."""
+    rewards, mask = torch.tensor([[1.0], [0.0], [2.0], [2.0]]), torch.ones(4, 1)
+    adv, ret = reinforce_plus_plus_baseline(rewards, mask, None, settings(n=2))
+    assert torch.allclose(adv[:, 0], torch.tensor([2 ** 0.5, -(2 ** 0.5), 0.0, 0.0]), atol=1e-5)
+    assert torch.equal(adv, ret)
+
+
+def test_reinforce_plus_plus_baseline_equals_plain_loop_and_masks():
+    """Each response's summed reward minus its group's mean, spread over its real tokens, then whitened over every
+    real token of the batch (a long response counts once per token; population variance), equals the batched
+    function; padding gets 0."""
+    n, mask = 4, random_mask(12, 5, seed=9)
+    rewards = torch.randn(12, 5) * mask
+    adv, _ = reinforce_plus_plus_baseline(rewards, mask, None, settings(n=n))
+    centred = []
+    for g in range(3):
+        totals = [rewards[g * n + j].sum().item() for j in range(n)]
+        centred += [x - sum(totals) / n for x in totals]
+    tiled = torch.tensor(centred)[:, None] * mask
+    real = tiled[mask == 1]
+    assert torch.allclose(adv, (tiled - real.mean()) / real.std(unbiased=False) * mask, atol=1e-5)
+    assert torch.all(adv[mask == 0] == 0)
+
+
+def test_varied_groups_keeps_the_prompts_whose_scores_differ():
+    """Groups of 3: [1, 1, 1] and [0, 0, 0] are dropped (no advantage to learn), [1, 0, 1] and [0.5, 0.5, 0.6] kept."""
+    scores = torch.tensor([1.0, 1, 1, 1, 0, 1, 0, 0, 0, 0.5, 0.5, 0.6])
+    assert varied_groups(scores, 3).tolist() == [False, True, False, True]
+
+
 def test_whiten_zero_mean_unit_var_on_real_tokens():
     """After whitening, real tokens have mean 0 and variance 1; padding stays 0."""
     x, mask = torch.randn(4, 6) * 3 + 2, random_mask(4, 6, seed=3)
@@ -133,21 +210,97 @@ def test_policy_loss_ratio_one_gives_minus_advantage():
     assert torch.allclose(pg, -adv) and clipped.sum() == 0
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_agg_loss_micro_batches_sum_to_mini_batch(mode):
     """Splitting a mini-batch into micro-batches leaves the total loss unchanged (plain formula as reference)."""
-    loss, mask = torch.randn(8, 5), random_mask(8, 5, seed=4)
+    loss, mask, L = torch.randn(8, 5), random_mask(8, 5, seed=4), 7.0
     counts = Counts(mask.sum().item(), 8)
-    total = sum(agg_loss(loss[i:i + 3], mask[i:i + 3], mode, counts) for i in range(0, 8, 3))
+    total = sum(agg_loss(loss[i:i + 3], mask[i:i + 3], mode, counts, L) for i in range(0, 8, 3))
     if mode == "token-mean":
         ref = (loss * mask).sum() / mask.sum()
     elif mode == "seq-mean-token-sum":
         ref = (loss * mask).sum(1).mean()
+    elif mode == "seq-mean-token-sum-norm":
+        ref = (loss * mask).sum(1).mean() / L
     else:
         ref = ((loss * mask).sum(1) / mask.sum(1)).mean()
     assert torch.allclose(total, ref, atol=1e-6)
     garbage = loss + 1e3 * (1 - mask)  # masked positions contribute nothing
-    assert torch.allclose(agg_loss(garbage, mask, mode, counts), agg_loss(loss, mask, mode, counts))
+    assert torch.allclose(agg_loss(garbage, mask, mode, counts, L), agg_loss(loss, mask, mode, counts, L))
+
+
+def test_seq_mean_token_sum_norm_hand_case_and_needs_its_constant():
+    """Dr. GRPO's aggregation: losses of 1 on responses of 3 and 1 tokens, 2 sequences, L = 4: (3 + 1)/(2·4) = ½,
+    whatever the lengths' own mean; without L it refuses rather than guess."""
+    loss, mask = torch.ones(2, 4), torch.tensor([[1.0, 1, 1, 0], [1, 0, 0, 0]])
+    assert agg_loss(loss, mask, "seq-mean-token-sum-norm", Counts(4.0, 2.0), 4.0).item() == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="loss_scale_factor"):
+        agg_loss(loss, mask, "seq-mean-token-sum-norm", Counts(4.0, 2.0))
+
+
+# ---- GSPO and CISPO
+
+
+def test_gspo_hand_case_value_and_gradient():
+    """log π − log π_old = [0.2, −0.1 | pad 5]: log s = (0.2 − 0.1)/2 = 0.05, s = e^0.05 ≈ 1.051 on both real tokens.
+    With Â = 1 and ε_high = 0.04 the ratio is clipped (pg = −1.04, no gradient); with ε_high = 0.1 it is not
+    (pg = −s) and each real token's gradient is its own −Â·s, padding's 0."""
+    old = torch.zeros(1, 3)
+    mask, adv = torch.tensor([[1.0, 1, 0]]), torch.ones(1, 3)
+    for high, clipped_expected in ((0.04, 1.0), (0.1, 0.0)):
+        logp = torch.tensor([[0.2, -0.1, 5.0]], requires_grad=True)
+        pg, clipped = gspo(logp, old, adv, mask, Clip(0.04, high, 3.0))
+        s = math.exp(0.05)
+        assert pg[0, :2].tolist() == pytest.approx([-min(s, 1 + high)] * 2, rel=1e-6)
+        assert clipped[0, :2].tolist() == [clipped_expected] * 2
+        (pg * mask).sum().backward()
+        expected_grad = [0.0, 0.0, 0.0] if clipped_expected else [-s, -s, 0.0]
+        assert logp.grad[0].tolist() == pytest.approx(expected_grad, abs=1e-6)
+
+
+def test_gspo_equals_plain_loop_and_ignores_padding():
+    """Per response, s = exp(mean over its real tokens of log π − log π_old), pg = max(−Â·s, −Â·clip(s)), on every
+    real token (a plain loop); log-probs at padding change nothing on a real token."""
+    B, T = 5, 6
+    mask = random_mask(B, T, seed=10)
+    old, logp, adv = 0.2 * torch.randn(B, T), 0.2 * torch.randn(B, T), torch.randn(B, T)
+    clip = Clip(0.05, 0.08, 3.0)
+    pg, _ = gspo(logp, old, adv, mask, clip)
+    for i in range(B):
+        real = mask[i].nonzero()[:, 0].tolist()
+        s = math.exp(sum(logp[i, t].item() - old[i, t].item() for t in real) / len(real))
+        for t in real:
+            a = adv[i, t].item()
+            assert pg[i, t].item() == pytest.approx(max(-a * s, -a * min(max(s, 0.95), 1.08)), rel=1e-5, abs=1e-6)
+    garbage, _ = gspo(logp + 9 * (1 - mask), old, adv, mask, clip)
+    assert torch.allclose(garbage * mask, pg * mask)
+
+
+def test_cispo_hand_case_gradient_is_the_clipped_weight():
+    """CISPO's gradient per token is −sg[clip(r)]·Â·∇log π: r = e^0.5 ≈ 1.65 is clipped to 1.28 (ε_high 0.28),
+    r = e^−0.5 ≈ 0.61 is kept whole with no lower bound (ε_low = 1), so with Â = [2, −1] the gradients are −2.56 and +0.61;
+    PPO's clip would give the first token no gradient at all."""
+    logp, old = torch.tensor([[0.5, -0.5]], requires_grad=True), torch.zeros(1, 2)
+    adv = torch.tensor([[2.0, -1.0]])
+    pg, clipped = cispo(logp, old, adv, torch.ones(1, 2), Clip(1.0, 0.28, 3.0))
+    pg.sum().backward()
+    assert logp.grad[0].tolist() == pytest.approx([-2 * 1.28, math.exp(-0.5)], rel=1e-6)
+    assert clipped.tolist() == [[1.0, 0.0]]
+    assert pg[0].tolist() == pytest.approx([-1.28 * 2 * 0.5, -math.exp(-0.5) * 1 * 0.5], rel=1e-6)
+
+
+def test_policy_losses_share_the_gradient_at_ratio_one():
+    """At ratio 1 (one epoch of one mini-batch, ppo.py departure 3) vanilla, gspo and cispo give every real token
+    the same gradient, −Â: they differ only off-policy."""
+    mask, adv = random_mask(3, 5, seed=11), torch.randn(3, 5)
+    grads = []
+    for loss in (vanilla, gspo, cispo):
+        logp = torch.randn(3, 5, generator=torch.Generator().manual_seed(0)).requires_grad_()
+        pg, _ = loss(logp, logp.detach(), adv, mask, Clip(0.2, 0.28, 3.0))
+        (pg * mask).sum().backward()
+        grads.append(logp.grad)
+    for g in grads:
+        assert torch.allclose(g, -adv * mask, atol=1e-6)
 
 
 def test_logprobs_and_entropy_match_torch_distributions():
@@ -192,11 +345,12 @@ def test_k1_and_k3_are_unbiased_estimates_of_true_kl():
 
 
 def test_kl_penalty_rewards_put_score_at_last_real_token():
-    """rewards = −β·kl everywhere real, score added at the last real token, 0 on padding."""
-    mask = torch.tensor([[1.0, 1, 0], [1, 1, 1]])
-    kl = torch.ones(2, 3)
-    r = kl_penalty_rewards(torch.tensor([2.0, 5.0]), kl, mask, beta=0.1)
-    assert torch.allclose(r, torch.tensor([[-0.1, 1.9, 0.0], [-0.1, -0.1, 4.9]]))
+    """rewards = −β·kl everywhere real, score added at the last real token, 0 on padding; with a gap, "last" is the
+    last token whose mask is 1, not the count of real tokens (row 3: 2 real tokens, the last at index 3)."""
+    mask = torch.tensor([[1.0, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 1]])
+    kl = torch.ones(3, 4)
+    r = kl_penalty_rewards(torch.tensor([2.0, 5.0, 3.0]), kl, mask, beta=0.1)
+    assert torch.allclose(r, torch.tensor([[-0.1, 1.9, 0.0, 0.0], [-0.1, -0.1, -0.1, 4.9], [-0.1, 0.0, 0.0, 2.9]]))
 
 
 def test_adaptive_kl_controller():
@@ -288,6 +442,21 @@ def test_reinforce_plus_plus_ignores_padding():
     assert torch.all(a1[mask == 0] == 0) and torch.all(r1[mask == 0] == 0)
 
 
+def test_reinforce_plus_plus_returns_step_over_gaps_as_a_plain_loop():
+    """With gaps, G_t = r_t + γ·G_{t'} with t' the next real token: the discount skips the gap (verl 0.9.1 carries
+    G over it), the reward sitting in a gap is unread, and gaps and padding hold 0."""
+    B, T, gamma = 6, 9, 0.8
+    mask = mask_with_gaps(B, T, seed=5)
+    rewards = torch.randn(B, T)
+    _, ret = reinforce_plus_plus(rewards, mask, None, settings(gamma))
+    for i in range(B):
+        g = 0.0
+        for t in reversed(mask[i].nonzero()[:, 0].tolist()):
+            g = rewards[i, t].item() + gamma * g
+            assert ret[i, t].item() == pytest.approx(g, abs=1e-5)
+    assert torch.all(ret[mask == 0] == 0)
+
+
 def test_reinforce_plus_plus_whitens_over_the_global_batch():
     """Two processes, each holding half the batch and summing its statistics with the other's (reduce_sum),
     get exactly the advantages of one process holding the whole batch, not each half whitened alone."""
@@ -341,6 +510,131 @@ def test_rollout_is_weights_equal_plain_loop_and_ignore_padding():
     for level in ("token", "sequence"):
         assert torch.allclose(rollout_is_weights(garbage, rollout, mask, level, C) * mask,
                               rollout_is_weights(old, rollout, mask, level, C) * mask)
+
+
+def test_sequence_mean_weight_is_the_geometric_mean():
+    """sequence_mean: log ρ = [0.5, −0.3, 1.5 | pad] has mean 1.7/3, so the weight is e^0.567 ≈ 1.76 on every real
+    token (under C = 2), where the product e^1.7 ≈ 5.5 would be truncated to 2."""
+    old, rollout = torch.tensor([[0.5, -0.3, 1.5, 9.0]]), torch.zeros(1, 4)
+    mask = torch.tensor([[1.0, 1, 1, 0]])
+    w = rollout_is_weights(old, rollout, mask, "sequence_mean", 2.0)
+    assert w[0, :3].tolist() == pytest.approx([math.exp(1.7 / 3)] * 3, rel=1e-6)
+
+
+# ---- rejection sampling (algorithm.rollout_rs)
+
+
+def test_rejection_mask_hand_case():
+    """Band [0.5, 2] (log ±0.693). Row 0, log ρ = [0.5, −1.0, 0.1 | pad]: token level drops the middle token
+    (e^−1 = 0.37 < 0.5); the product e^−0.4 = 0.67 and the mean e^−0.13 keep the whole response. Row 1,
+    log ρ = [0.3, 0.3, 0.3, 0.3]: every token is in the band, the product e^1.2 = 3.3 is not (all dropped), the
+    geometric mean e^0.3 = 1.35 is (all kept). Padding is always 0."""
+    old, rollout = torch.tensor([[0.5, -1.0, 0.1, 7.0], [0.3, 0.3, 0.3, 0.3]]), torch.zeros(2, 4)
+    mask = torch.tensor([[1.0, 1, 1, 0], [1, 1, 1, 1]])
+    expected = {"token": [[1, 0, 1, 0], [1, 1, 1, 1]], "sequence": [[1, 1, 1, 0], [0, 0, 0, 0]],
+                "sequence_mean": [[1, 1, 1, 0], [1, 1, 1, 1]]}
+    for level, keep in expected.items():
+        assert rejection_mask(old, rollout, mask, level, 0.5, 2.0).tolist() == keep, level
+
+
+def test_rejection_mask_equals_plain_loop_and_ignores_padding():
+    """Each level equals a plain loop over each response's real tokens (keep where low ≤ ρ ≤ high, ρ per token, as
+    the product, or as the geometric mean), with an asymmetric band; log-probs at padding change nothing."""
+    B, T, low, high = 8, 6, 0.8, 1.5
+    mask = random_mask(B, T, seed=12)
+    old, rollout = 0.3 * torch.randn(B, T), 0.3 * torch.randn(B, T)
+    for level in ("token", "sequence", "sequence_mean"):
+        keep = rejection_mask(old, rollout, mask, level, low, high)
+        for i in range(B):
+            real = mask[i].nonzero()[:, 0].tolist()
+            logs = [old[i, t].item() - rollout[i, t].item() for t in real]
+            for k, t in enumerate(real):
+                log_rho = {"token": logs[k], "sequence": sum(logs), "sequence_mean": sum(logs) / len(logs)}[level]
+                assert keep[i, t].item() == float(math.log(low) <= log_rho <= math.log(high)), (level, i, t)
+        assert torch.all(keep[mask == 0] == 0)
+        assert torch.equal(rejection_mask(old + 20 * (1 - mask), rollout, mask, level, low, high), keep)
+
+
+def test_policy_loss_mask_drops_truncated_responses_and_rejected_tokens():
+    """ppo.policy_loss_mask: reward.overlong_filter drops every token of a truncated response (row 1);
+    algorithm.rollout_rs=token drops the token whose ratio e^1 leaves [0.5, 2] (row 0, token 2), and logs the share
+    of real tokens rejected (1 of 7); response_mask itself is left as it was."""
+    from infra import cli
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
+    batch = {"response_mask": mask, "old_logprobs": torch.tensor([[0.0, 0.1, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]]),
+             "rollout_logprobs": torch.zeros(2, 4)}
+    truncated = torch.tensor([False, True])
+    cfg = cli.load_config(None, ["reward.overlong_filter=true", "algorithm.rollout_rs=token"])
+    loss_mask, metrics = policy_loss_mask(batch, truncated, cfg)
+    assert loss_mask.tolist() == [[1, 1, 0, 1], [0, 0, 0, 0]]
+    assert metrics["rollout/rs_rejected_frac"] == pytest.approx(1 / 7)
+    assert torch.equal(batch["response_mask"], mask)
+    neither, metrics = policy_loss_mask(batch, truncated, cli.load_config(None, []))
+    assert torch.equal(neither, mask.float()) and metrics == {}
+
+
+# ---- DAPO's overlong punishment, validation at k samples
+
+
+def test_overlong_reward_hand_case():
+    """L_max = 16, L_cache = 4, factor 1: lengths 10 and 12 are free, 13 loses ¼, 16 (the limit) loses 1; with
+    factor 0.5 the last loses ½."""
+    lengths = torch.tensor([10, 12, 13, 16])
+    assert overlong_reward(lengths, 16, 4, 1.0).tolist() == pytest.approx([0, 0, -0.25, -1.0])
+    assert overlong_reward(lengths, 16, 4, 0.5)[-1].item() == pytest.approx(-0.5)
+
+
+def test_pass_at_k_hand_cases_and_plain_enumeration():
+    """4 samples, 1 right: pass@1 = ¼, pass@2 = 1 − C(3,2)/C(4,2) = ½, pass@4 = 1; none right: 0. For every
+    (n, c, k) up to 6 it is the share of the C(n, k) subsets of k samples that hold a right one."""
+    import itertools
+    assert [pass_at_k(4, 1, k) for k in (1, 2, 4)] == pytest.approx([0.25, 0.5, 1.0])
+    assert pass_at_k(4, 0, 4) == 0
+    for n in range(1, 7):
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                subsets = list(itertools.combinations([True] * c + [False] * (n - c), k))
+                assert pass_at_k(n, c, k) == pytest.approx(sum(any(s) for s in subsets) / len(subsets))
+
+
+def one_process():
+    """What sum_over_processes needs from an Accelerator, for one process."""
+    import types
+    return types.SimpleNamespace(device=torch.device("cpu"), reduce=lambda x, op: x)
+
+
+def test_pass_and_majority_per_source_and_overall():
+    """Two prompts of source a and one of b, k = 4 samples each (right: score > 0). a: 1 and 3 right → pass@1
+    (1/4 + 3/4)/2 = ½, pass@2 (½ + 1)/2 = ¾, pass@4 1; its majority answers are "7" (wrong: the right one is the
+    minority "8") and "9" (right) → maj@4 ½. b: 0 right → all 0, and it has no answers, so no maj@4 of its own.
+    Over all three prompts pass@1 = 1/3 and maj@4 counts a's two prompts only."""
+    rows = [{"data_source": "a"}] * 8 + [{"data_source": "b"}] * 4
+    scores = [1, 0, 0, 0] + [1, 1, 0, 1] + [0, 0, 0, 0]
+    answers = ["8", "7", "7", "1"] + ["9", "9", "2", "9"] + [None] * 4
+    m = pass_and_majority(rows, scores, answers, ["a", "b"], 4, one_process())
+    a = [m["val/a/pass@1"], m["val/a/pass@2"], m["val/a/pass@4"], m["val/a/maj@4"]]
+    assert a == pytest.approx([0.5, 0.75, 1, 0.5])
+    assert [m["val/b/pass@1"], m["val/b/pass@4"]] == [0, 0] and "val/b/maj@4" not in m
+    assert m["val/pass@1/mean"] == pytest.approx(1 / 3) and m["val/maj@4/mean"] == pytest.approx(0.5)
+
+
+def test_validation_metrics_at_k_read_the_rules_answers(tmp_path):
+    """Scorer.validation_metrics with k = 2 and a rule that returns {"score", "pred"} (as verl's DAPO rule): mean@2 is
+    val/score/mean, pass@1 and pass@2 follow the scores, and maj@2 the rule's answers ("pred")."""
+    from infra import cli
+    from rewards import Scorer
+    rule = tmp_path / "rule.py"
+    rule.write_text('def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n'
+                    '    pred = solution_str.strip()\n'
+                    '    return {"score": float(pred == ground_truth), "pred": pred}\n')
+    scorer = Scorer(cli.load_config(None, [f"reward.function={rule}:compute_score"]).reward, "cpu", None)
+    rows = [{"data_source": "s", "ground_truth": "4", "extra_info": {}}] * 2 + [
+        {"data_source": "s", "ground_truth": "5", "extra_info": {}}] * 2
+    m = scorer.validation_metrics(rows, ["4", "4", "5", "6"], ["s"], one_process(), k=2)
+    assert m["val/score/mean"] == pytest.approx(0.75) and m["val/s/score"] == pytest.approx(0.75)
+    assert m["val/s/pass@1"] == pytest.approx(0.75) and m["val/s/pass@2"] == pytest.approx(1.0)
+    assert m["val/s/maj@2"] == pytest.approx(1.0)  # "4" twice; a tie "5"/"6" goes to the first seen, "5"
+    assert "val/s/pass@2" not in scorer.validation_metrics(rows, ["4", "4", "5", "6"], ["s"], one_process(), k=1)
 
 
 # ---- asymmetric clipping
@@ -397,8 +691,10 @@ def run_actor_loss(policy, mb, **overrides):
     from infra import cli
     from infra.batches import Forward
     cfg = cli.load_config(None, [f"{k}={v}" for k, v in overrides.items()])
-    mask = mb["response_mask"]
-    return ActorLoss.from_config(cfg, Forward(1.0, None, "padded"))(policy, mb, Counts(float(mask.sum()), float(len(mask))))
+    mb = {"loss_mask": mb["response_mask"], **mb}  # the policy loss sees every real token unless the test says
+    mask = mb["loss_mask"]
+    counts = Counts(float(mask.sum()), float(len(mask)))
+    return ActorLoss.from_config(cfg, Forward(1.0, None, "padded"))(policy, mb, counts)
 
 
 def logprobs_of(policy, mb):
@@ -451,11 +747,11 @@ def test_actor_loss_passes_clip_low_and_high_the_right_way_round(tiny_actor):
     assert swapped["policy/clipfrac"] == pytest.approx(8 / 13)
 
 
-@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("level", ["token", "sequence", "sequence_mean"])
 def test_actor_loss_applies_truncated_rollout_is(tiny_actor, level):
     """With the sampler's log-probs log 3 below the trainer's on every token, algorithm.rollout_is multiplies the
-    policy loss by the truncated weight: min(3, C) per token, or min(3^T_i, C) per sequence; with rollout_is=off
-    the loss is unweighted but the (token) weight is still logged."""
+    policy loss by the truncated weight: min(3, C) per token, min(3^T_i, C) per sequence, min(3, C) for the
+    sequence's geometric mean; with rollout_is=off the loss is unweighted but the (token) weight is still logged."""
     policy, mb = tiny_actor
     logprobs, _ = logprobs_of(policy, mb)
     mask = mb["response_mask"].float()
@@ -466,6 +762,30 @@ def test_actor_loss_applies_truncated_rollout_is(tiny_actor, level):
     for threshold in (2.0, 5.0):
         loss, stats = run_actor_loss(policy, mb, **{"algorithm.rollout_is": level,
                                                     "algorithm.rollout_is_threshold": threshold})
-        weight = min(3.0, threshold) if level == "token" else threshold  # 3^3 and 3^5 both exceed 5
+        weight = threshold if level == "sequence" else min(3.0, threshold)  # 3^3 and 3^5 both exceed 5
         assert loss.item() == pytest.approx(weight * off_loss.item(), rel=1e-4)
         assert stats["rollout/is_weight_mean"] == pytest.approx(weight, rel=1e-4)
+
+
+def test_actor_loss_sees_only_loss_mask(tiny_actor):
+    """A response outside loss_mask (rejected, or overlong-filtered) adds nothing: with Â only on row 2 and row 2
+    out of loss_mask, the policy loss is exactly 0; with it in, it is not."""
+    policy, mb = tiny_actor
+    mb = {**mb, "advantages": torch.tensor([0.0, 0.0, 1.0])[:, None].expand(3, 5).clone()}
+    without_row_2 = mb["response_mask"] * torch.tensor([1, 1, 0])[:, None]
+    loss, _ = run_actor_loss(policy, {**mb, "loss_mask": without_row_2})
+    assert loss.item() == 0.0
+    assert run_actor_loss(policy, mb)[0].item() != 0.0
+
+
+def test_actor_loss_seq_mean_token_sum_norm_divides_by_the_constant(tiny_actor):
+    """actor.loss_agg_mode=seq-mean-token-sum-norm is seq-mean-token-sum divided by L: by default
+    rollout.max_response_length (16), else actor.loss_scale_factor (5)."""
+    policy, mb = tiny_actor
+    mb = {**mb, "advantages": torch.tensor([1.0, -0.5, 2.0])[:, None].expand(3, 5).clone()}
+    token_sum, _ = run_actor_loss(policy, mb, **{"actor.loss_agg_mode": "seq-mean-token-sum"})
+    normed, _ = run_actor_loss(policy, mb, **{"actor.loss_agg_mode": "seq-mean-token-sum-norm"})
+    scaled, _ = run_actor_loss(policy, mb, **{"actor.loss_agg_mode": "seq-mean-token-sum-norm",
+                                              "actor.loss_scale_factor": 5})
+    assert normed.item() == pytest.approx(token_sum.item() / 16, rel=1e-5)
+    assert scaled.item() == pytest.approx(token_sum.item() / 5, rel=1e-5)

@@ -26,10 +26,11 @@ def random_batch(B=6, vocab=200, seed=0, n=1):
     return dict(queries=queries, query_mask=query_mask, responses=resp, response_mask=response_mask)
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """Policy and critic with batches.varlen_sdpa, as ppo.py sets it under packing (padded forwards unchanged)."""
-    path = make_tiny_model(tmp_path_factory.mktemp("packing"))
+@pytest.fixture(scope="module", params=[2, 1], ids=["mha", "gqa"])
+def models(tmp_path_factory, request):
+    """Policy and critic with batches.varlen_sdpa, as ppo.py sets it under packing (padded forwards unchanged): with
+    2 KV heads for the 2 query heads, and with 1 (grouped-query attention, as Qwen2.5's 14 query / 2 KV heads)."""
+    path = make_tiny_model(tmp_path_factory.mktemp("packing"), kv_heads=request.param)
     policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(DEVICE).eval()
     value_model = load_critic(path).to(DEVICE).eval()
     for model in (policy, value_model):
@@ -61,19 +62,21 @@ def test_packed_logprobs_entropy_and_values_equal_padded(models, n):
     assert (v_pad - v_pack)[mask].abs().max() < TOL
 
 
+@pytest.mark.parametrize("kv_heads", [2, 1], ids=["mha", "gqa"])
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_packed_gradients_equal_padded_and_take_the_packed_attention(tmp_path, monkeypatch, checkpointing):
+def test_packed_gradients_equal_padded_and_take_the_packed_attention(tmp_path, monkeypatch, checkpointing, kv_heads):
     """Through varlen_sdpa's packed branch (it really ran, in every layer) the gradient of a loss on the
     packed logprobs equals the padded path's (prompts shared by 3 responses, rows shuffled), also when
-    the layers are recomputed in the backward pass (gradient checkpointing); a padded forward under
-    varlen_sdpa is transformers' SDPA unchanged."""
+    the layers are recomputed in the backward pass (gradient checkpointing) and with grouped-query attention; a
+    padded forward under varlen_sdpa is transformers' SDPA unchanged."""
     calls, varlen_sdpa = [], batches.varlen_sdpa
 
     def counted(*args, packed_attention=None, **kwargs):
         calls.append(packed_attention is not None)
         return varlen_sdpa(*args, packed_attention=packed_attention, **kwargs)
 
-    policy = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path), dtype=torch.float32).to(DEVICE)
+    policy = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path, kv_heads=kv_heads),
+                                                  dtype=torch.float32).to(DEVICE)
     if checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         policy.train()  # transformers checkpoints only in training mode
@@ -94,6 +97,42 @@ def test_packed_gradients_equal_padded_and_take_the_packed_attention(tmp_path, m
     assert (lp_pad - lp_pack)[mask].abs().max() < TOL and (ent_pad - ent_pack)[mask].abs().max() < TOL
     assert (g_pad - g_pack).abs().max() < TOL * g_pad.abs().max()
     assert (lp_pad - lp_pad2)[mask].abs().max() < TOL
+
+
+def test_packed_grouped_query_attention_calls_sdpa_in_a_form_cuda_kernels_take(tmp_path, monkeypatch):
+    """With grouped-query attention (1 KV head for 2 query heads) the packed path hands SDPA its mask with as many KV
+    heads as query heads and no enable_gqa: CUDA's memory-efficient kernel takes a mask but not enable_gqa, and
+    flash takes no mask, so the earlier mask + enable_gqa=True fell to the math kernel (issue 22)."""
+    calls, sdpa = [], torch.nn.functional.scaled_dot_product_attention
+
+    def recorded(q, k, v, **kwargs):
+        calls.append((q.shape[1], k.shape[1], v.shape[1], kwargs.get("attn_mask") is not None,
+                      kwargs.get("enable_gqa", False)))
+        return sdpa(q, k, v, **kwargs)
+
+    policy = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path, kv_heads=1), dtype=torch.float32)
+    batches.use_varlen_attention(policy)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recorded)
+    with torch.no_grad():
+        forward_logprobs(policy, {k: v for k, v in random_batch(B=6, seed=6, n=3).items()}, 1.0, None, False, "packed")
+    assert calls == [(2, 2, 2, True, False)] * len(policy.model.layers)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernel choice is CUDA's (bench/gpu_check.sh runs it)")
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_packed_grouped_query_attention_runs_without_the_math_kernel_on_cuda(tmp_path, dtype):
+    """On CUDA, with SDPA's math kernel ruled out (flash, memory-efficient and cuDNN allowed), the packed forward and
+    backward of a grouped-query model run: no layer needs the math kernel's fp32 (G, H, Wq, Wk) scores. SDPA raises
+    "No available kernel" where none of the allowed ones takes its inputs."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    policy = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path, kv_heads=1), dtype=torch.float32).cuda()
+    batches.use_varlen_attention(policy)
+    mb = shuffled_batch(12, seed=7, n=3)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
+        logprobs, _ = forward_logprobs(policy, mb, 1.0, dtype, False, "packed")
+        (logprobs * mb["response_mask"]).sum().backward()
+    assert torch.isfinite(policy.model.layers[0].self_attn.k_proj.weight.grad).all()
 
 
 def test_shared_prompt_prefix_equals_padded_and_gradients_too(models):
@@ -176,3 +215,16 @@ def test_packed_inputs_worked_example():
                     41: [21, 22, 23, 41], 42: [21, 22, 23, 41, 42]}
     assert keep.tolist() == [1, 5, 1, 4, 8]
     assert ids[keep].tolist() == [12, 31, 12, 23, 41]  # the tokens whose outputs predict 31, 32, 33, 41, 42
+
+
+def test_token_budget_micro_batches_reach_the_count_of_the_process_that_makes_most():
+    """split_micro by a token budget, told that another process makes more micro-batches (largest_count), makes
+    exactly that many: every row once, each within the budget (issue 22: unequal counts hang FSDP2)."""
+    lengths = [30, 10, 12, 50, 8, 9, 11, 40]
+    inds = torch.arange(len(lengths))
+    own = batches.split_micro(inds, lengths, 4, max_tokens=60)
+    for count in (len(own), len(own) + 1, len(lengths)):
+        micro = batches.split_micro(inds, lengths, 4, max_tokens=60, largest_count=lambda c: max(c, count))
+        assert len(micro) == count
+        assert sorted(torch.cat(micro).tolist()) == list(range(len(lengths)))
+        assert all(max(lengths[i] for i in m.tolist()) * len(m) <= 60 for m in micro)

