@@ -258,7 +258,8 @@ class AgentRollout:
             if count == 0:
                 break
             stand_ins = count - len(waiting)
-            contexts = [e.prompt + e.tokens for e in waiting] + [prompts[0]] * stand_ins
+            stand_in = prompts[0] if prompts else [self.tokenizer.pad_token_id]  # this process may have none
+            contexts = [e.prompt + e.tokens for e in waiting] + [stand_in] * stand_ins
             budgets = [s.max_length - len(e.tokens) for e in waiting] + [1] * stand_ins
             out = self.backend.generate(contexts, 1, temperature, seed=turn_seed(seed, turn), max_tokens=budgets)
             self.add_turns(waiting, out, last=turn == s.max_turns)

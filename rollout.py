@@ -130,10 +130,10 @@ class HFRollout:
         seqs = [p for p in prompts for _ in range(n)]
         budgets = [b for b in max_tokens or [cfg.max_response_length] * len(prompts) for _ in range(n)]  # per row
         greedy = temperature == 0
-        kwargs = dict(max_new_tokens=max(budgets), do_sample=not greedy,
+        kwargs = dict(max_new_tokens=max(budgets, default=cfg.max_response_length), do_sample=not greedy,
                       pad_token_id=self.pad_id, eos_token_id=sorted(self.eos_ids), synced_gpus=self.synced_gpus)
         if cfg.ignore_eos:
-            kwargs.update(min_new_tokens=max(budgets))
+            kwargs.update(min_new_tokens=kwargs["max_new_tokens"])
         if not greedy:
             kwargs.update(temperature=temperature, top_p=cfg.top_p, top_k=cfg.top_k if cfg.top_k > 0 else None)
         autocast = (torch.autocast(device.type, dtype=self.autocast_dtype) if self.autocast_dtype
