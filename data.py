@@ -279,8 +279,8 @@ def make_arithmetic_preferences(n: int, seed: int) -> list[dict]:
 
 # ---- the agent demo: three-digit sums, a calculator tool (examples/calculator.py), one worked call in the prompt
 # SmolLM2-135M-Instruct gets such sums right in its head about once in ten. Shown one call, greedy, it calls the tool
-# on a third of them and copies the tool's answer (0.33 well-formed calls, 0.40 right on 100 prompts); shown two
-# calls it already calls on 0.94, which would leave nothing to learn.
+# on a third of them and copies the tool's answer (validation before training: 0.31 well-formed calls, 0.38 right on
+# 100 prompts); shown two calls it already calls on 0.94 (measured by hand), which would leave little to learn.
 ARITHMETIC_TOOL_SYSTEM = "You have a calculator. To use it, write <calc>expression</calc>."
 ARITHMETIC_TOOL_SHOT = (123, 456)
 
