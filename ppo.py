@@ -64,7 +64,8 @@ import kl
 from advantages import COMPARES_SAMPLES, masked_mean, NEEDS_CRITIC, varied_groups
 from critic import explained_variance, value_loss
 from infra import cli, config
-from infra.batches import autocast_dtype, batch_layout, Forward, micro_batch, per_token_pass, split_micro
+from infra.batches import autocast_dtype, Forward, micro_batch, per_token_pass, split_micro
+from infra.layouts import batch_layout
 from infra.config import check_combinations, check_sizes, ConfigError
 from infra.distributed import fsdp_from_launcher, max_over_processes, use_cpu
 from infra.metrics import check_loggers, console_line, reduce_metrics, sample_table, sum_over_processes, timed
@@ -77,7 +78,7 @@ from losses import agg_loss, Clip, Counts, POLICY_LOSSES, rejection_mask, rollou
 from data import load_prompts
 from rewards import (check_data_sources, check_reward_inputs, decode_responses, overlong_reward,
                      score_on_every_process, Scorer, validate)
-from rollout import cut_off, HFRollout, left_pad, make_rollout, Samples
+from rollout import cut_off, left_pad, make_rollout, Samples
 
 CONSOLE_KEYS = ["score/mean", "reward/mean", "kl/mean", "policy/entropy", "policy/clipfrac", "loss/policy",
                 "loss/value", "value/explained_var", "response/length_mean", "val/score/mean", "val/rule_score/mean",
@@ -361,8 +362,6 @@ def main(cfg: config.Config):
                     **({"critic": (critic, critic_opt)} if critic is not None else {})}
     logger = resume(accelerator, cfg, resume_from, checkpointed, state)
     rollout = make_rollout(cfg, policy, tokenizer, accelerator, dtype, synced_forwards=fsdp is not None)
-    if isinstance(rollout, HFRollout) and (alg.rollout_is, alg.rollout_rs) != ("off", "off"):  # vLLM failed to load
-        raise ConfigError("algorithm.rollout_is / rollout_rs need the sampler's logprobs: repair vLLM (see above)")
     sample = Sampler(rollout, tokenizer, scorer, accelerator, cfg, sizes.prompts)  # steps 1–3
     reduce_sum = functools.partial(sum_over_processes, accelerator)
     max_tokens = cfg.actor.max_token_len_per_device if cfg.actor.use_dynamic_bsz else 0  # 0: micro-batches by count

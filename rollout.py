@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from infra.batches import autocast_dtype
+from infra.config import ConfigError
 from infra.distributed import max_over_processes, whole
 
 
@@ -323,6 +324,9 @@ def make_rollout(cfg, model, tokenizer, accelerator, autocast_dtype=None, synced
         try:
             import vllm  # noqa: F401
         except ImportError as e:
+            if (cfg.algorithm.rollout_is, cfg.algorithm.rollout_rs) != ("off", "off"):
+                raise ConfigError(f"algorithm.rollout_is / rollout_rs need the sampler's logprobs, and vLLM cannot be "
+                                  f"imported ({e}): repair vLLM, or turn both off") from None
             if accelerator.is_main_process:
                 print(f"warning: rollout.name=vllm but vLLM cannot be imported ({e}); using rollout.name=hf")
             name = "hf"

@@ -37,7 +37,7 @@ class ModelConfig(LoRAFields):
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory"""
     use_remove_padding: bool = False
-    """pack training forwards into one row without padding, each distinct prompt once (batches.packed_inputs)"""
+    """pack training forwards into one row without padding, each distinct prompt once (layouts.packed_inputs)"""
     share_prompt_prefix: bool = True
     """without packing: run each distinct prompt of a micro-batch once and let its n responses attend to
     its KV cache (policy, reference and critic forwards; not with gradient checkpointing or FSDP)"""

@@ -14,7 +14,8 @@ import shutil
 
 import torch
 
-from infra.batches import autocast_dtype, use_varlen_attention
+from infra.batches import autocast_dtype
+from infra.layouts import use_varlen_attention
 from infra.config import ConfigError
 from infra.distributed import describe, distribute
 from infra.trunk import describe_trunk, NoEmbedding, Replay
