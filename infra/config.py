@@ -24,7 +24,15 @@ class LoRAFields:
 
 
 @dataclass
-class ModelConfig(LoRAFields):
+class ModelFolderFields:
+    trust_remote_code: bool = False
+    """run Python code that a model folder ships (an `auto_map` in its config.json or tokenizer_config.json) when
+    loading its model, tokenizer or config (ppo.py: policy, reference, critic and reward model; reward_model.py:
+    the backbone). false: a folder that needs such code is refused, in one sentence, before anything loads"""
+
+
+@dataclass
+class ModelConfig(LoRAFields, ModelFolderFields):
     path: str = "models/SmolLM2-135M-Instruct"
     """policy checkpoint: a local folder or a hub id (the demo model is made by tools/prepare_model.py)"""
     tokenizer_path: Optional[str] = None
@@ -226,6 +234,9 @@ class RewardConfig:
     """sequences per reward-model forward"""
     overlong_penalty: float = 0.0
     """added to the score of a response that hit max_response_length without EOS"""
+    timeout_s: float = 30.0
+    """seconds one call of a custom reward.function may take: it runs in a worker process, which is restarted after
+    a call that hangs, exits or kills it; such a call is an error for its sample (reward/errors)"""
 
 
 @dataclass
@@ -247,7 +258,10 @@ class RunFields:
     keep_checkpoints: int = 2
     """keep the last N step_* checkpoints"""
     resume: str = "auto"
-    """auto (latest checkpoint in output_dir), off, or a checkpoint path"""
+    """auto (the newest intact checkpoint in output_dir), off, or a checkpoint path"""
+    max_skipped_steps: int = 3
+    """stop, without writing final/, when this many steps in a row skipped an optimiser step for a non-finite loss
+    or gradient: the model is not learning (0 = never stop)"""
 
 
 @dataclass
@@ -295,7 +309,7 @@ class Config:
 
 
 @dataclass
-class RewardModelConfig(LoRAFields, RunFields):
+class RewardModelConfig(LoRAFields, RunFields, ModelFolderFields):
     model_path: str = "models/SmolLM2-135M-Instruct"
     """backbone for the Bradley-Terry reward model: a causal LM folder (a 1-output `score` head is added)"""
     tokenizer_path: Optional[str] = None
@@ -352,6 +366,11 @@ class ConfigError(ValueError):
     pass
 
 
+class SaveError(ConfigError):
+    """A file of the run could not be written (disk full, permissions); the message names the folder and what was
+    kept."""
+
+
 def exact_div(a: int, b: int, what: str) -> int:
     """a / b as an int, or a sentence saying which batch size does not divide."""
     if b <= 0 or a % b != 0:
@@ -366,7 +385,7 @@ RANGES = {
                 "ppo_mini_batch_size ppo_micro_batch_size_per_device log_prob_micro_batch_size_per_device "
                 "max_token_len_per_device horizon total_steps max_kl_window batch_size micro_batch_size_per_device "
                 "max_length lora_alpha",
-    "(0, inf)": "lr target_kl max_grad_norm rollout_is_threshold clip",
+    "(0, inf)": "lr target_kl max_grad_norm rollout_is_threshold clip timeout_s",
     "(0, 1]": "top_p gpu_memory_utilization",
     "[0, 1]": "gamma lam warmup_ratio min_lr_ratio",
     "[0, 1)": "lora_dropout betas clip_ratio_low",
@@ -375,6 +394,8 @@ RANGES = {
     "(-inf, inf)": "rule_weight model_weight overlong_penalty",
 }
 RANGE_OF = {name: interval for interval, names in RANGES.items() for name in names.split()}
+# List keys whose length is fixed, by field name: AdamW takes exactly two betas.
+LENGTH_OF = {"betas": 2}
 
 
 # Keys a resumed run must share with the run that wrote the checkpoint: they shape the saved weights (model,

@@ -6,6 +6,7 @@ Bad inputs run ppo.main / reward_model.main in this process with model loading m
 subprocess runs cover what only a real process shows: exit codes, a clean stderr, 2 processes, signals,
 a lock holder killed with SIGKILL.
 """
+import json
 import os
 import shutil
 import signal
@@ -155,6 +156,7 @@ def test_reward_model_bad_input_fails_in_one_sentence_before_any_model_loads(wor
 
 @pytest.mark.parametrize("override, sentence", [
     ("rollout.top_p=1.5", "config key `rollout.top_p` must be in (0, 1], got 1.5"),  # found while parsing
+    ("actor.optim.betas=[0.9]", "config key `actor.optim.betas` must hold 2 values, got 1: [0.9]"),  # was IndexError
     ("trainer.resume={tmp}/step_5", "trainer.resume: {tmp}/step_5 is not a checkpoint (a step_<N> folder written by "
                                     "a run, under its own name); give one, or auto (the latest in output_dir), or off"),
 ])
@@ -440,3 +442,51 @@ def test_resuming_never_unpickles_a_planted_file(workdir, tmp_path):
     # the payload itself works: unpickling one runs it
     subprocess.run([sys.executable, "-c", f"import pickle; pickle.load(open({planted[0]!r}, 'rb'))"], check=True)
     assert marker.exists()
+
+
+# ---- config files (issue 24): a key twice, aliases, values quoted in errors, fixed-length lists
+
+BILLION_LAUGHS = "a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
+    f"{b}: &{b} [{', '.join(['*' + a] * 9)}]\n" for a, b in zip("abcdefg", "bcdefgh")) + "trainer:\n  logger: *h\n"
+
+
+@pytest.mark.parametrize("text, sentence", [
+    ("trainer:\n  total_steps: 3\nmodel:\n  lora_rank: 4\ntrainer:\n  save_freq: 1\n",
+     "line 5: `trainer` is given twice in the same section (first on line 1); keep one"),
+    ("trainer:\n  total_steps: 3\n  total_steps: 4\n",
+     "line 3: `total_steps` is given twice in the same section (first on line 2); keep one"),
+    (BILLION_LAUGHS, "line 2: `*a` is a YAML alias, which config files may not use; write the value out"),
+], ids=["section twice", "key twice", "alias bomb"])
+def test_a_config_file_with_a_key_twice_or_an_alias_fails_naming_the_line(tmp_path, text, sentence):
+    """PyYAML keeps the last of two equal keys (a second `trainer:` block silently dropped the first) and expands
+    aliases without bound (9⁸ strings here: MemoryError after ~45 s): both now fail at once, naming file and line."""
+    path = write(tmp_path / "c.yaml", text)
+    start = time.perf_counter()
+    with pytest.raises(config.ConfigError) as e:
+        cli.load_config(str(path))
+    assert str(e.value) == f"config file {path} {sentence}" and time.perf_counter() - start < 2
+
+
+def test_an_error_quotes_at_most_a_few_hundred_characters_of_a_value(tmp_path):
+    """A megabyte string given to a boolean key, and a 100 × 100 list given to an integer key (from the command line
+    and from a file), each fail with a sentence of under 500 characters that still shows how the value begins."""
+    nested = "[" + ", ".join(["[" + ", ".join(["7"] * 100) + "]"] * 100) + "]"
+    path = write(tmp_path / "c.yaml", f"trainer:\n  total_steps: {nested}\n")
+    for file, overrides, start in ((None, ["data.shuffle=" + "x" * 1_000_000], "'xxx"),
+                                   (None, ["model.lora_rank=" + nested], "'[[7, 7"),
+                                   (str(path), [], "[[7, 7")):
+        with pytest.raises(config.ConfigError) as e:
+            cli.load_config(file, overrides)
+        assert len(str(e.value)) < 500 and f"got {start}" in str(e.value), str(e.value)[:600]
+
+
+def test_metrics_jsonl_is_strict_json_with_non_finite_values_as_null(tmp_path):
+    """NaN and ±inf are written as null: json.dumps would write NaN / Infinity, which strict JSON readers refuse."""
+    from infra.metrics import MetricsLogger
+    logger = MetricsLogger(str(tmp_path), [], {}, "p", "n", enabled=True)
+    logger.log({"a": float("nan"), "b": float("inf"), "c": -float("inf"), "d": 1.5}, 1)
+
+    def refuse(name):
+        raise AssertionError(f"{name} in metrics.jsonl")
+    line = (tmp_path / "metrics.jsonl").read_text()
+    assert json.loads(line, parse_constant=refuse) == {"step": 1, "a": None, "b": None, "c": None, "d": 1.5}
