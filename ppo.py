@@ -63,11 +63,11 @@ from infra.metrics import (check_loggers, console_line, MetricsLogger, plot_curv
                            sum_over_processes, timed, wandb_resume_id)
 from infra.models import check_model_folders, load_models, load_tokenizer, save_pretrained_atomic
 from infra.optim import make_optimizer, restore_schedule, train_step
-from infra.runs import resume_or_start, save_checkpoint, start_run, StopSignal
+from infra.runs import Interrupted, resume_or_start, save_checkpoint, skipped_steps_error, start_run, StopSignal
 from kl import KLController, kl_estimate, kl_penalty_rewards
 from losses import agg_loss, Clip, Counts, POLICY_LOSSES, rollout_is_weights
 from data import load_prompts
-from rewards import check_data_sources, check_reward_inputs, score_on_every_process, Scorer
+from rewards import check_data_sources, check_reward_inputs, rule_needing_truth, score_on_every_process, Scorer
 from rollout import cut_off, HFRollout, left_pad, make_rollout
 
 CONSOLE_KEYS = ["score/mean", "reward/mean", "kl/mean", "policy/entropy", "policy/clipfrac", "loss/policy",
@@ -312,7 +312,8 @@ def save_final(accelerator, policy, tokenizer, cfg) -> None:
     final, metrics_path = os.path.join(t.output_dir, "final"), os.path.join(t.output_dir, "metrics.jsonl")
     state_dict = full_state_dict(policy)  # every process takes part in gathering the shards
     if accelerator.is_main_process:
-        save_pretrained_atomic(accelerator.unwrap_model(policy), tokenizer, final, state_dict)
+        save_pretrained_atomic(accelerator.unwrap_model(policy), tokenizer, final, state_dict, overwrite=True,
+                               inputs=(cfg.model.path,))  # this run's own final/, never the model it started from
         accelerator.print(f"policy saved to {final}" + (f"; merge the adapter with: python tools/merge_lora.py {final} "
                                                         f"{t.output_dir}/merged" if cfg.model.lora_rank else ""))
         if t.plot_curves and os.path.exists(metrics_path):
@@ -341,17 +342,19 @@ def main(cfg: config.Config):
     if finished:
         return None
     check_model_folders(cfg.model, (cfg.critic.model_path or cfg.model.path) if needs_critic else None)
-    check_reward_inputs(cfg.reward)
+    check_reward_inputs(cfg.reward, cfg.model.trust_remote_code)
     check_loggers(cfg.trainer.logger, "trainer.logger")
     set_seed(cfg.trainer.seed)
     t, alg, device = cfg.trainer, cfg.algorithm, accelerator.device
     dtype = autocast_dtype(cfg.model.dtype)
     fsdp = fsdp_from_launcher(dtype)  # FSDP2 settings of an accelerate config file, or None
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path,
-                               "model.tokenizer_path" if cfg.model.tokenizer_path else "model.path")
+                               "model.tokenizer_path" if cfg.model.tokenizer_path else "model.path",
+                               trust_remote_code=cfg.model.trust_remote_code)
 
     # ---- data: prompts tokenised once, sizes checked before any model is loaded
-    train_rows, val_rows = load_prompts(cfg.data, tokenizer, print0)
+    train_rows, val_rows = load_prompts(cfg.data, tokenizer, print0,  # a rule's rows must have a ground truth
+                                        rule_of=functools.partial(rule_needing_truth, cfg_reward=cfg.reward))
     sizes = check_sizes(cfg, accelerator.num_processes, len(train_rows))
     check_data_sources({r["data_source"] for r in train_rows + val_rows}, cfg.reward)  # each has a rule
     n, B = cfg.rollout.n, sizes.batch
@@ -361,7 +364,11 @@ def main(cfg: config.Config):
     policy, ref, critic = load_models(cfg, accelerator, fsdp, fwd.layout, with_critic=needs_critic)
     actor_opt, actor_sched = make_optimizer(policy, cfg.actor.optim, t.total_steps)
     critic_opt, critic_sched = make_optimizer(critic, cfg.critic.optim, t.total_steps) if critic else (None, None)
-    scorer = Scorer(cfg.reward, device, dtype)  # a reward model is replicated: it only runs forward passes
+    # SIGTERM or Ctrl-C from here on ends a step with a checkpoint; a hung reward call holds it up for at most
+    # reward.timeout_s (the Scorer's worker checks stop_signal)
+    stop_signal = StopSignal(verbose=accelerator.is_main_process)
+    scorer = Scorer(cfg.reward, device, dtype, trust_remote_code=cfg.model.trust_remote_code,
+                    stop=stop_signal)  # a reward model is replicated: it only runs forward passes
 
     # ---- state, resume
     state = TrainState(KLController(alg.kl_ctrl.type, alg.kl_ctrl.kl_coef, alg.kl_ctrl.target_kl,
@@ -388,11 +395,13 @@ def main(cfg: config.Config):
         metrics = validate(cfg, rollout, tokenizer, scorer, val_rows, accelerator)
         print0("validation before training: " + console_line(metrics, sorted(metrics)))
         logger.log(metrics, 0)
-    stop_reason, stop_signal = None, StopSignal(verbose=accelerator.is_main_process)
+    if signum := stop_signal.received(accelerator):
+        raise Interrupted(signum, "during the validation before training, before step 1")
+    stop_reason, skipped_in_a_row = None, 0
     bar = tqdm(range(state.step + 1, t.total_steps + 1), disable=not accelerator.is_main_process,
                desc="ppo", dynamic_ncols=True)
     for step in bar:
-        times, metrics = {}, {}
+        times, metrics, skipped_before = {}, {}, state.skipped
         t0 = time.perf_counter()
 
         # ---- 1. sample prompts: one global batch from a seeded permutation, this process's slice of it
@@ -492,6 +501,7 @@ def main(cfg: config.Config):
         metrics.update(times)
         metrics["perf/tokens_per_s"] = tokens / times["time/step_s"]
         metrics["train/skipped_steps"] = state.skipped
+        skipped_in_a_row = skipped_in_a_row + 1 if state.skipped > skipped_before else 0
         state.step = step
 
         # ---- guards: a run that drifts too far from the reference, or collapses, is validated and stops
@@ -506,6 +516,8 @@ def main(cfg: config.Config):
         logger.log(metrics, step)
         bar.set_postfix(score=f"{metrics['score/mean']:.3f}", kl=f"{metrics.get('kl/mean', 0):.4f}")
         print0(f"step {step}  " + console_line(metrics, CONSOLE_KEYS))
+        if t.max_skipped_steps and skipped_in_a_row >= t.max_skipped_steps:  # nothing learnt: no final/
+            raise skipped_steps_error(skipped_in_a_row, step, "trainer", t.output_dir)
         if t.sample_freq and step % t.sample_freq == 0:
             shown = list(range(0, B, max(1, B // t.num_samples_to_show)))[:t.num_samples_to_show]
             print0(sample_table([(rows[i]["prompt_text"][-40:], texts[i], scores[i].item()) for i in shown]))

@@ -11,6 +11,7 @@ import difflib
 import math
 import os
 import reprlib
+import signal
 import sys
 import textwrap
 import types
@@ -325,17 +326,19 @@ def save(cfg, path: str) -> None:
 
 def run_script(main, doc: str, root, name: str) -> None:
     """`accelerate launch <name> --config FILE key=value …` → main(config). A user's mistake (a ConfigError,
-    data.DataError among them) ends the run in one sentence, printed once, by rank 0; Ctrl-C while loading ends it quietly (130).
+    data.DataError among them) ends the run in one sentence, printed once, by rank 0; Ctrl-C while loading ends it
+    quietly (130), a stop signal that could not wait for the end of a step (runs.Interrupted) with its sentence and
+    128 + signum.
     A finished multi-process CPU run leaves without the interpreter's teardown (see the end)."""
     rank0 = os.environ.get("RANK", "0") == "0"
     try:
         main(parse_args(sys.argv[1:], doc, root))
     except ConfigError as e:
         sys.exit(f"{name}: {e}" if rank0 else 1)
-    except KeyboardInterrupt:  # Ctrl-C while loading, or a second signal while training
+    except KeyboardInterrupt as e:  # Ctrl-C while loading, or runs.Interrupted: a stop that could not wait
         if rank0:
-            print(f"{name}: interrupted; the last checkpoint is kept", file=sys.stderr)
-        sys.exit(130)
+            print(f"{name}: {str(e) or 'interrupted; the last checkpoint is kept'}", file=sys.stderr)
+        sys.exit(128 + getattr(e, "signum", signal.SIGINT))
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available():
         # Done, and every process has passed the last barrier. Under FSDP2, torch keeps the gloo process group
         # alive after destroy_process_group (its device mesh stays referenced), so its threads would still run

@@ -137,22 +137,53 @@ def set_aside_later(output_dir: str, step: int, metrics_path: str) -> None:
           f"their metrics moved to {aside}", flush=True)
 
 
+class RunError(ConfigError):
+    """The run cannot go on usefully (ppo.py and reward_model.py print it as one sentence and exit 1)."""
+
+
+def skipped_steps_error(in_a_row: int, step: int, stage: str, output_dir: str) -> RunError:
+    """Why a run that skipped `in_a_row` steps in a row (a non-finite loss or gradient, so train_step left the
+    weights alone) stops without writing final/: an untrained model must not look like a trained one."""
+    kept = [os.path.basename(path) for path in checkpoints(output_dir)]
+    return RunError(f"stopping at step {step}: the last {in_a_row} steps each skipped an optimiser step because the "
+                    f"loss or gradient was not finite (NaN or inf: a reward too large, or a learning rate too high), "
+                    f"so the model is not learning ({stage}.max_skipped_steps={in_a_row}); final/ is not written"
+                    + (f", the checkpoints {', '.join(kept)} in {output_dir} are kept" if kept else ""))
+
+
+class Interrupted(KeyboardInterrupt):
+    """A stop signal that could not wait for the end of the step: a second one, or a reward call still running
+    reward.timeout_s after the first. The run ends at once (exit code 128 + signum), its last checkpoint kept."""
+
+    def __init__(self, signum: int, why: str):
+        super().__init__(f"stopped by {signal.Signals(signum).name} {why}; the last checkpoint is kept: run the same "
+                         f"command again to resume")
+        self.signum = signum
+
+
 class StopSignal:
     """SIGTERM (what Slurm sends on preemption or at the time limit, and scancel) or Ctrl-C during training is
     noted, so that the loop finishes its step and saves a checkpoint; a second one stops at once."""
 
     def __init__(self, verbose: bool):
-        self.signum, self.verbose = 0, verbose
+        self.signum, self.since, self.verbose = 0, None, verbose  # since: time.monotonic() of the first signal
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self.handle)
 
     def handle(self, signum, frame):
         if self.signum:
-            raise KeyboardInterrupt
-        self.signum = signum
+            raise Interrupted(signum, "a second time")
+        self.signum, self.since = signum, time.monotonic()
         if self.verbose:  # os.write: print is not safe inside a signal handler
             os.write(2, f"\n{signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
                         f"(send it again to stop now)\n".encode())
+
+    def check_overdue(self, seconds: float) -> None:
+        """Interrupted when the signal came more than `seconds` ago: called by a wait that the step cannot end
+        by itself (a reward call, infra/worker.py), so a hung call cannot hold a preempted run past its timeout."""
+        if self.since is not None and time.monotonic() - self.since > seconds:
+            raise Interrupted(self.signum, f"while a reward call was still running {seconds:g} s later "
+                                           f"(reward.timeout_s); this step is not saved")
 
     def received(self, accelerator) -> int:
         """The signal's number if any process got one (all must stop at the same step), else 0."""

@@ -162,26 +162,30 @@ def other(data_source, solution_str, ground_truth, extra_info=None):
 
 
 def test_load_reward_function_from_a_file(tmp_path):
-    """None gives the built-ins; path.py:name (or path.py, meaning compute_score) gives that function."""
+    """None gives the built-ins (in this process); path.py:name (or path.py, meaning compute_score) gives that
+    function, run in a worker process and called by keyword as verl calls it."""
     path = tmp_path / "my_reward.py"
     path.write_text(VERL_STYLE)
-    assert rewards.load_reward_function(None) is default_compute_score
-    assert rewards.load_reward_function(f"{path}:other")("x", "y", "z") == 0.5
-    assert rewards.load_reward_function(str(path))("x", "7 ", "7") == {"score": 1.0, "length": 2}
+    assert rewards.load_reward_function(None, 5) is default_compute_score
+    row = [{"data_source": "x", "ground_truth": "7", "extra_info": {}}]
+    assert rewards.score_responses(rewards.load_reward_function(f"{path}:other", 5), row, ["y"]) == ([0.5], {}, 0)
+    worker = rewards.load_reward_function(str(path), 5)
+    assert worker.proc.pid != os.getpid()
+    assert rewards.score_responses(worker, row, ["7 "]) == ([1.0], {"length": [2.0]}, 0)
 
 
 def test_load_reward_function_errors_name_the_file_and_the_function(tmp_path):
     """A missing file or a missing function is named, with the functions the file does define."""
     with pytest.raises(ConfigError, match=r"file .*nope.py does not exist"):
-        rewards.load_reward_function(f"{tmp_path}/nope.py:f")
+        rewards.load_reward_function(f"{tmp_path}/nope.py:f", 5)
     path = tmp_path / "my_reward.py"
     path.write_text(VERL_STYLE)
     with pytest.raises(ValueError, match=r"has no function `missing`; callables found there: \['compute_score', 'other'\]"):
-        rewards.load_reward_function(f"{path}:missing")
+        rewards.load_reward_function(f"{path}:missing", 5)
     bad = tmp_path / "broken.py"
     bad.write_text("import not_a_module_xyz\n")
     with pytest.raises(ValueError, match=r"importing .*broken.py failed: ModuleNotFoundError"):
-        rewards.load_reward_function(f"{bad}:f")
+        rewards.load_reward_function(f"{bad}:f", 5)
 
 
 # ---- score_responses
