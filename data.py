@@ -78,12 +78,18 @@ def check_prompt(prompt, where: str) -> None:
                     f"got {type(prompt).__name__} {str(prompt)[:80]!r}")
 
 
-def ground_truth_of(row: dict):
-    """Ours: row["ground_truth"]; verl's: row["reward_model"]["ground_truth"]. Numbers become strings; NaN (how
-    pandas writes a missing number) becomes None, never the text "nan"."""
+def raw_ground_truth(row: dict):
+    """Ours: row["ground_truth"]; verl's: row["reward_model"]["ground_truth"]; as stored."""
     gt = row.get("ground_truth")
     if gt is None and isinstance(row.get("reward_model"), dict):
         gt = row["reward_model"].get("ground_truth")
+    return gt
+
+
+def ground_truth_of(row: dict):
+    """The row's ground truth (raw_ground_truth). Numbers become strings; NaN and ±inf (NaN is how pandas writes a
+    missing number) become None, never the text "nan"."""
+    gt = raw_ground_truth(row)
     if isinstance(gt, float) and not math.isfinite(gt):
         return None
     if isinstance(gt, float) and gt.is_integer():
@@ -94,9 +100,12 @@ def ground_truth_of(row: dict):
 
 
 def missing_ground_truth(gt):
-    """How a ground truth a rule cannot compare with reads ("null", "empty", "the text 'nan'"), or None when usable."""
+    """How a stored ground truth that no rule can compare with reads ("null", "NaN", "empty", "the text 'nan' …"),
+    or None when it is usable."""
     if gt is None:
         return "null"
+    if isinstance(gt, float) and not math.isfinite(gt):
+        return str(gt).replace("nan", "NaN")
     if (isinstance(gt, str) and not gt.strip()) or (isinstance(gt, (list, dict)) and not gt):
         return "empty"
     if isinstance(gt, str) and gt.strip().lstrip("+-").lower() == "nan":
@@ -108,7 +117,7 @@ def check_ground_truth(row: dict, where: str, rule_of) -> None:
     """A row whose data_source is scored by a rule that compares with the ground truth (rule_of(data_source): the
     rule's name, or None) must have one; else a DataError naming the row and the rule."""
     rule = rule_of(row.get("data_source") or "unknown") if rule_of else None
-    problem = rule and missing_ground_truth(ground_truth_of(row))
+    problem = rule and missing_ground_truth(raw_ground_truth(row))
     if problem:
         raise DataError(f"{where}the ground truth is {problem}, but data_source {row.get('data_source')!r} is scored "
                         f"by {rule}, which compares each response with it; fill it in or drop the row")

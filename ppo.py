@@ -396,7 +396,7 @@ def main(cfg: config.Config):
         print0("validation before training: " + console_line(metrics, sorted(metrics)))
         logger.log(metrics, 0)
     if signum := stop_signal.received(accelerator):
-        raise Interrupted(signum, "during the validation before training, before step 1")
+        raise Interrupted(signum, "during the validation before training; nothing was trained")
     stop_reason, skipped_in_a_row = None, 0
     bar = tqdm(range(state.step + 1, t.total_steps + 1), disable=not accelerator.is_main_process,
                desc="ppo", dynamic_ncols=True)

@@ -216,7 +216,8 @@ def score_on_every_process(scorer, rows: list[dict], texts: list[str], accelerat
     flags = torch.tensor([float(error is not None), float(interrupted.signum if interrupted else 0)])
     failed, signum = accelerator.reduce(flags.to(accelerator.device), "max").tolist()
     if signum:
-        raise interrupted or Interrupted(int(signum), "while a reward call of another process was still running")
+        raise interrupted or Interrupted(int(signum), "while a reward call of another process was still running; "
+                                                      "this step is not saved, the last checkpoint is kept")
     if failed:
         raise RewardError(next(message for message in gather_object([error]) if message))
     return scores, metrics

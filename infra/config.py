@@ -4,6 +4,7 @@ ppo.py reads `Config`, reward_model.py `RewardModelStage`; they share the LoRA a
 generated from these dataclasses (`python tools/configs_yaml.py > configs.yaml`, every key with its documentation as a
 comment); cli.py reads a YAML file and dotted overrides into them and checks every value (types, RANGES).
 """
+import re
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
@@ -369,6 +370,19 @@ class ConfigError(ValueError):
 class SaveError(ConfigError):
     """A file of the run could not be written (disk full, permissions); the message names the folder and what was
     kept."""
+
+
+def write_error(e: BaseException) -> str:
+    """Why a write failed, in a few words: the OS's reason (No space left on device, Permission denied …), also
+    from inside safetensors' error ("… I/O error: No space left on device (os error 28)") or torch's checkpoint
+    writer (a CheckpointException holding each process's error)."""
+    failures = getattr(e, "failures", None)  # torch.distributed.checkpoint.api.CheckpointException
+    if failures:
+        e = next(iter(failures.values()))[0]
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    found = re.search(r"I/O error: ([^(]+)", str(e))
+    return found.group(1).strip() if found else str(e)[:200]
 
 
 def exact_div(a: int, b: int, what: str) -> int:

@@ -22,7 +22,7 @@ import tempfile
 import torch
 
 from infra.batches import use_varlen_attention
-from infra.config import ConfigError, SaveError
+from infra.config import ConfigError, SaveError, write_error
 from infra.distributed import describe, distribute
 
 PICKLE_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt")  # torch.save files: loading one unpickles it
@@ -135,12 +135,14 @@ def check_no_remote_code(config_file: str, key: str, trust_remote_code: bool) ->
     else:
         known = config.get("model_type") in CONFIG_MAPPING_NAMES
     if not known:
-        flag = ("--trust-remote-code" if key.startswith("--") else  # a tool's argument
-                "reward_model.trust_remote_code" if key.startswith("reward_model.") else "model.trust_remote_code")
-        code = sorted({str(v).split(".")[0] + ".py" for v in config["auto_map"].values() if isinstance(v, str)})
-        raise ConfigError(f"{key}: {config_file} maps its classes to code in the folder ({', '.join(code) or 'auto_map'}"
-                          f"), which runs only with {flag}=true; set it if you trust that code, or give a folder "
-                          f"transformers loads by itself")
+        enable = ("--trust-remote-code" if key.startswith("--") else  # a tool's argument
+                  "reward_model.trust_remote_code=true" if key.startswith("reward_model.")
+                  else "model.trust_remote_code=true")
+        names = [v for value in config["auto_map"].values() for v in (value if isinstance(value, list) else [value])]
+        code = sorted({v.split(".")[0] + ".py" for v in names if isinstance(v, str)})  # "planted.Cls" → planted.py
+        raise ConfigError(f"{key}: {config_file} maps its classes to code in the folder "
+                          f"({', '.join(code) or 'auto_map'}), which runs only with {enable}; set it if you trust "
+                          f"that code, or give a folder transformers loads by itself")
 
 
 def check_model_folders(cfg_model, critic_path) -> None:
@@ -272,13 +274,6 @@ def save_pretrained_atomic(model, tokenizer, path: str, state_dict=None, *, over
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
-
-def write_error(e: Exception) -> str:
-    """What went wrong in a write, in a few words: the OS's reason (No space left on device, Permission denied …)."""
-    if isinstance(e, OSError) and e.strerror:
-        return e.strerror
-    found = re.search(r"I/O error: ([^(]+)", str(e))  # safetensors: "… I/O error: No space left on device (os …"
-    return found.group(1).strip() if found else str(e)[:200]
 
 
 def replace_folder(new: str, path: str) -> None:

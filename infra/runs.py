@@ -1,8 +1,12 @@
 """A run's output folder, shared by ppo.py and reward_model.py: one run at a time (a lock), checkpoints written
 atomically (step_<N>.tmp/ renamed to step_<N>/, the last `keep` kept), resuming (and what a resumed run does with
 later checkpoints and metric lines), and SIGTERM / Ctrl-C ending a step with a checkpoint.
-The checkpoint's contents (safetensors + JSON) are distributed.save_training_state's."""
+The checkpoint's contents (safetensors + JSON) are distributed.save_training_state's; beside them each checkpoint
+has a manifest.json: the size and sha256 of every file it wrote and a fingerprint of the base models it was trained
+from. Resuming checks both before any model loads (checkpoint_problem, check_bases): a damaged file is named, and
+resume=auto falls back to the newest intact checkpoint."""
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -10,13 +14,20 @@ import shutil
 import signal
 import socket
 import time
+from typing import Optional
 
 import torch
-from accelerate.utils import broadcast_object_list
+from accelerate.utils import broadcast_object_list, gather_object
+from safetensors import SafetensorError
+from torch.distributed.checkpoint.api import CheckpointException
 
 from infra import cli
-from infra.config import ConfigError
+from infra.config import ConfigError, SaveError, write_error
 from infra.distributed import load_training_state, save_training_state
+
+MANIFEST = "manifest.json"  # in each checkpoint: {"files": {relative path: {"size", "sha256"}}, "base_models": …}
+BASES_FILE = "base_models.json"  # in output_dir: this run's base models and their fingerprints (record_bases)
+WRITE_ERRORS = (OSError, SafetensorError, CheckpointException)  # a full disk or a folder made read-only
 
 
 def drop_metrics_after(path: str, step: int, moved_to: str = None) -> None:
@@ -47,23 +58,224 @@ def checkpoints(output_dir: str) -> list[str]:
 
 
 def save_checkpoint(accelerator, output_dir: str, step: int, keep: int, models: dict, state: dict) -> str:
-    """Models' trainable weights, optimisers, `state` (plain data) and RNG into step_<N>, atomically.
-    models: {name: (model, optimizer or None)}; see distributed.save_training_state."""
+    """Models' trainable weights, optimisers, `state` (plain data) and RNG into step_<N>, atomically, with its
+    manifest (write_manifest). models: {name: (model, optimizer or None)}; see distributed.save_training_state.
+    A write that fails on any process (disk full, a folder made read-only) is a SaveError on every process,
+    naming the folder and the checkpoints kept; the half-written folder is removed."""
     final = os.path.join(output_dir, f"step_{step}")
     tmp = final + ".tmp"
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    accelerator.wait_for_everyone()
-    save_training_state(tmp, models, state)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
+
+    def publish():  # rank 0, once every process has written its files
+        write_manifest(tmp, output_dir)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         for old in checkpoints(output_dir)[:-keep] if keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
-    accelerator.wait_for_everyone()
+
+    error = first_error(accelerator, failed_write(lambda: fresh_folder(tmp), accelerator.is_main_process))
+    if not error:
+        error = first_error(accelerator, failed_write(lambda: save_training_state(tmp, models, state)))
+    if not error:
+        error = first_error(accelerator, failed_write(publish, accelerator.is_main_process))
+    if error:
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise save_failed(final, error, [os.path.basename(path) for path in checkpoints(output_dir)])
     return final
+
+
+def save_failed(folder: str, error: str, kept: list) -> SaveError:
+    """The sentence for a checkpoint that could not be written: why, and what is still there to resume from."""
+    if not kept:
+        return SaveError(f"cannot write the checkpoint {folder} ({error}); it is not kept, and there is no earlier "
+                         f"one: free space or fix the permissions, then run the same command again")
+    return SaveError(f"cannot write the checkpoint {folder} ({error}); it is not kept, {these(kept)} intact: free "
+                     f"space or fix the permissions, then run the same command again to resume from {kept[-1]}")
+
+
+def fresh_folder(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path)
+
+
+def failed_write(write, here: bool = True) -> Optional[str]:
+    """write() (when `here`: on this process) → None, or why it failed when that is a write error (write_error's
+    few words)."""
+    if not here:
+        return None
+    try:
+        write()
+    except WRITE_ERRORS as e:
+        return write_error(e)
+    return None
+
+
+def first_error(accelerator, error: Optional[str]) -> Optional[str]:
+    """The first process's error (or None), the same on every process: a collective, so also a barrier."""
+    if accelerator.num_processes > 1:
+        error = next((e for e in gather_object([error]) if e), None)
+    return error
+
+
+# ---------------------------------------------------------------------------------------
+# Manifests: what a checkpoint holds, and what it was trained from
+
+
+def sha256_of(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_manifest(folder: str, output_dir: str) -> None:
+    """folder/manifest.json: the size and sha256 of every file in `folder` and the run's base models (BASES_FILE)."""
+    files = {}
+    for root, _, names in os.walk(folder):
+        for name in sorted(names):
+            path = os.path.join(root, name)
+            files[os.path.relpath(path, folder)] = {"size": os.path.getsize(path), "sha256": sha256_of(path)}
+    bases = {}
+    if os.path.exists(os.path.join(output_dir, BASES_FILE)):
+        with open(os.path.join(output_dir, BASES_FILE)) as f:
+            bases = json.load(f)
+    with open(os.path.join(folder, MANIFEST), "w") as f:
+        json.dump({"files": files, "base_models": bases}, f, indent=1)
+
+
+def checkpoint_problem(folder: str) -> Optional[str]:
+    """What is wrong with the checkpoint `folder` (the first damaged file and how), or None when every file its
+    manifest lists has its size and sha256. A checkpoint from before manifests needs a readable state.json."""
+    manifest = os.path.join(folder, MANIFEST)
+    if not os.path.exists(manifest):
+        try:
+            with open(os.path.join(folder, "state.json")) as f:
+                json.load(f)
+        except (OSError, ValueError) as e:
+            return f"{folder}/state.json is damaged ({type(e).__name__})"
+        return None
+    try:
+        with open(manifest) as f:
+            files = json.load(f)["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{manifest} is damaged ({type(e).__name__})"
+    for name, want in files.items():
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            return f"{path} is missing"
+        if os.path.getsize(path) != want["size"]:
+            return f"{path} is {os.path.getsize(path)} bytes, {want['size']} when it was written"
+        if sha256_of(path) != want["sha256"]:
+            return f"{path} has changed since it was written (its sha256 differs)"
+    return None
+
+
+def intact_resume(accelerator, resume: str, output_dir: str, key: str):
+    """resolve_resume's checkpoint, checked (checkpoint_problem) on rank 0 before any model loads: a damaged one
+    given by path fails in one sentence; with resume=auto the newest intact one is taken, saying which were
+    skipped (they are moved aside with the later history, set_aside_later), and none intact fails."""
+    def choose():
+        if resume != "auto":
+            path = resolve_resume(resume, output_dir, key)
+            problem = path and checkpoint_problem(path)
+            if problem:
+                raise ConfigError(f"{key}: the checkpoint {path} is damaged: {problem}; give another checkpoint, or "
+                                  f"auto (the newest intact one), or off")
+            return path
+        skipped = []
+        for path in reversed(checkpoints(output_dir)):
+            problem = checkpoint_problem(path)
+            if problem is None:
+                if skipped:
+                    print(f"{key}=auto: skipped the damaged {'; '.join(skipped)}; resuming from {path}", flush=True)
+                return path
+            skipped.append(f"{os.path.basename(path)} ({problem})")
+        if skipped:
+            raise ConfigError(f"{key}=auto: no checkpoint in {output_dir} is intact: {'; '.join(skipped)}; set "
+                              f"{key}=off to start over (they are then moved to {output_dir}/abandoned/)")
+        return None
+    return on_rank0(accelerator, choose)
+
+
+def on_rank0(accelerator, fn):
+    """fn() run by rank 0 only, its value (or its ConfigError) given to every process."""
+    value = error = None
+    if accelerator.is_main_process:
+        try:
+            value = fn()
+        except ConfigError as e:
+            error = str(e)
+    if accelerator.num_processes > 1:
+        value, error = broadcast_object_list([value, error])
+    if error:
+        raise ConfigError(error)
+    return value
+
+
+def fingerprint(folder: str) -> Optional[str]:
+    """What identifies a model folder's weights beyond its path: sha256 over config.json and, per *.safetensors
+    file, its header (every tensor's name, dtype, shape, offsets) and 3 × 1 KiB of every tensor (its start, middle
+    and end), so a few MiB are read whatever the model's size. Training or merging changes every element of a
+    tensor it touches, so new weights at the same path change this. None for a hub id (no local folder)."""
+    if not os.path.isdir(folder):
+        return None
+    digest = hashlib.sha256()
+    for name in ["config.json"] + sorted(f for f in os.listdir(folder) if f.endswith(".safetensors")):
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            continue
+        digest.update(name.encode())
+        with open(path, "rb") as f:
+            if not name.endswith(".safetensors"):
+                digest.update(f.read())
+                continue
+            try:
+                size = int.from_bytes(f.read(8), "little")
+                header = f.read(size)
+                tensors = json.loads(header)
+            except ValueError:  # not a safetensors file after all: its size and first MiB
+                f.seek(0)
+                digest.update(f"{os.path.getsize(path)}".encode() + f.read(1 << 20))
+                continue
+            digest.update(header)
+            for tensor in sorted(k for k in tensors if k != "__metadata__"):
+                start, end = tensors[tensor]["data_offsets"]
+                for at in (start, (start + end) // 2, max(start, end - 1024)):
+                    f.seek(8 + size + at)
+                    digest.update(f.read(min(1024, end - at)))
+    return digest.hexdigest()
+
+
+BASE_KEYS = {"trainer": ("model.path", "critic.model_path"), "reward_model": ("reward_model.model_path",)}
+
+
+def record_bases(accelerator, cfg, stage: str, unused: frozenset, checkpoint) -> None:
+    """Fingerprint this run's base models (BASE_KEYS, but `unused` ones; critic.model_path null means model.path)
+    into <output_dir>/BASES_FILE, which every checkpoint's manifest copies; when resuming `checkpoint`, a base
+    whose fingerprint differs from the one it recorded fails in one sentence: the saved adapter or optimiser state
+    belongs to other weights."""
+    def record():
+        values = cli.flatten(cli.to_dict(cfg))
+        bases = {key: {"path": values[key], "fingerprint": fingerprint(values[key])} for key in BASE_KEYS[stage]
+                 if key not in unused and values.get(key)}
+        recorded = {}
+        if checkpoint and os.path.exists(os.path.join(checkpoint, MANIFEST)):
+            with open(os.path.join(checkpoint, MANIFEST)) as f:
+                recorded = json.load(f).get("base_models", {})
+        for key, now in bases.items():
+            then = recorded.get(key)
+            if then and then["fingerprint"] and now["fingerprint"] and then["fingerprint"] != now["fingerprint"]:
+                raise ConfigError(f"{key}: the model at {now['path']} is not the one {checkpoint} was trained from "
+                                  f"(its config or weights changed since: fingerprint {then['fingerprint'][:12]} "
+                                  f"then, {now['fingerprint'][:12]} now); put that model back, or train from the new "
+                                  f"one in another output_dir (or with {stage}.resume=off)")
+        path = os.path.join(getattr(cfg, stage).output_dir, BASES_FILE)
+        with open(path + ".tmp", "w") as f:
+            json.dump(bases, f, indent=1)
+        os.replace(path + ".tmp", path)
+    on_rank0(accelerator, record)
+
 
 
 def lock_output_dir(accelerator, output_dir: str, key: str):
@@ -103,13 +315,15 @@ def start_run(accelerator, cfg, stage: str, unused: frozenset = frozenset()):
     that checkpoint is at total_steps and final/ exists: there is nothing to train."""
     section = getattr(cfg, stage)
     lock = lock_output_dir(accelerator, section.output_dir, f"{stage}.output_dir")
-    path = resolve_resume(section.resume, section.output_dir, f"{stage}.resume")
+    path = intact_resume(accelerator, section.resume, section.output_dir, f"{stage}.resume")
     if path is None:
+        record_bases(accelerator, cfg, stage, unused, None)
         return lock, None, False
     saved = os.path.join(os.path.dirname(os.path.normpath(path)), "config.yaml")
     changes = cli.resume_changes(cfg, saved, unused) if os.path.exists(saved) else []
     if changes:
         accelerator.print(f"changed since {path}: " + ", ".join(changes))
+    record_bases(accelerator, cfg, stage, unused, path)  # the same base models as the checkpoint's
     step = checkpoint_step(path)
     finished = step >= section.total_steps and os.path.isdir(os.path.join(section.output_dir, "final"))
     if finished:
@@ -148,7 +362,14 @@ def skipped_steps_error(in_a_row: int, step: int, stage: str, output_dir: str) -
     return RunError(f"stopping at step {step}: the last {in_a_row} steps each skipped an optimiser step because the "
                     f"loss or gradient was not finite (NaN or inf: a reward too large, or a learning rate too high), "
                     f"so the model is not learning ({stage}.max_skipped_steps={in_a_row}); final/ is not written"
-                    + (f", the checkpoints {', '.join(kept)} in {output_dir} are kept" if kept else ""))
+                    + (f" and {these(kept)} kept ({output_dir})" if kept else ""))
+
+
+def these(checkpoints: list) -> str:
+    """"the checkpoint step_2 is" or "the checkpoints step_2, step_4 are"."""
+    if len(checkpoints) == 1:
+        return f"the checkpoint {checkpoints[0]} is"
+    return f"the checkpoints {', '.join(checkpoints)} are"
 
 
 class Interrupted(KeyboardInterrupt):
@@ -156,8 +377,7 @@ class Interrupted(KeyboardInterrupt):
     reward.timeout_s after the first. The run ends at once (exit code 128 + signum), its last checkpoint kept."""
 
     def __init__(self, signum: int, why: str):
-        super().__init__(f"stopped by {signal.Signals(signum).name} {why}; the last checkpoint is kept: run the same "
-                         f"command again to resume")
+        super().__init__(f"stopped by {signal.Signals(signum).name} {why}")
         self.signum = signum
 
 
@@ -172,7 +392,8 @@ class StopSignal:
 
     def handle(self, signum, frame):
         if self.signum:
-            raise Interrupted(signum, "a second time")
+            raise Interrupted(signum, "a second time, at once; the last checkpoint is kept: run the same command "
+                                      "again to resume")
         self.signum, self.since = signum, time.monotonic()
         if self.verbose:  # os.write: print is not safe inside a signal handler
             os.write(2, f"\n{signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
@@ -183,7 +404,8 @@ class StopSignal:
         by itself (a reward call, infra/worker.py), so a hung call cannot hold a preempted run past its timeout."""
         if self.since is not None and time.monotonic() - self.since > seconds:
             raise Interrupted(self.signum, f"while a reward call was still running {seconds:g} s later "
-                                           f"(reward.timeout_s); this step is not saved")
+                                           f"(reward.timeout_s); this step is not saved, the last checkpoint is kept: "
+                                           f"run the same command again to resume")
 
     def received(self, accelerator) -> int:
         """The signal's number if any process got one (all must stop at the same step), else 0."""

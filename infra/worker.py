@@ -81,7 +81,8 @@ class FunctionWorker:
                     continue
                 if wait <= 0 and not self.conn.poll(0):
                     self.close()
-                    return "lost", f"TimeoutError: {what} took longer than reward.timeout_s={self.timeout_s:g} s"
+                    return "lost", (f"TimeoutError: {what} took longer than reward.timeout_s={self.timeout_s:g} s, "
+                                    f"and its worker was stopped")
                 return self.conn.recv()
             except (EOFError, OSError):
                 reason = exit_reason(self.proc)
@@ -245,6 +246,7 @@ def serve(conn: Connection) -> None:
 
 def leave_with_parent(parent: int) -> None:
     """A worker whose parent died (even by SIGKILL) leaves within a second, whatever call it is running."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})  # the call's timer is for the main thread
     while os.getppid() == parent:
         time.sleep(1.0)
     os._exit(1)

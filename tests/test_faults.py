@@ -7,6 +7,7 @@ subprocess runs cover what only a real process shows: exit codes, a clean stderr
 a lock holder killed with SIGKILL.
 """
 import json
+import math
 import os
 import shutil
 import signal
@@ -84,6 +85,60 @@ def tokenizer_only(path, chat_template=True):
     return path
 
 
+PLANTED = """
+open({marker!r}, "w").close()  # what a model folder's code could do: it must never run
+"""
+
+
+def planted_folder(path, root, tmp, part="model"):
+    """A copy of the tiny model whose config.json (part="model") or tokenizer_config.json (part="tokenizer") maps its
+    classes to planted.py, a file that leaves tmp/RAN behind when imported; the model type and tokenizer class are
+    ones transformers does not have, so only that code could load them."""
+    import json
+    shutil.copytree(root / "model", path)
+    name = "config.json" if part == "model" else "tokenizer_config.json"
+    config = json.loads((path / name).read_text())
+    if part == "model":
+        config.update(model_type="planted_llama", auto_map={"AutoConfig": "planted.PlantedConfig",
+                                                            "AutoModelForCausalLM": "planted.PlantedModel"})
+    else:
+        config.update(tokenizer_class="PlantedTokenizer",
+                      auto_map={"AutoTokenizer": ["planted.PlantedTokenizer", None]})
+    (path / name).write_text(json.dumps(config))
+    write(path / "planted.py", PLANTED.format(marker=str(tmp / "RAN")))
+    return path
+
+
+def pickled_folder(path, root, tmp, weights="pytorch_model.bin"):
+    """A copy of the tiny model whose weights are a pickle (what torch.save writes) instead of safetensors; it holds
+    a payload that would leave tmp/RAN behind if it were ever unpickled."""
+    shutil.copytree(root / "model", path)
+    (path / "model.safetensors").unlink()
+    subprocess.run([sys.executable, "-c", PAYLOAD.format(marker=tmp / "RAN", paths=[str(path / weights)])], check=True)
+    return path
+
+
+def adapter_folder(path, root):
+    """A LoRA adapter folder as ppo.py's final/ holds one (adapter_config.json naming its base, and the weights)."""
+    import json
+    write(path / "adapter_config.json", json.dumps({"peft_type": "LORA", "base_model_name_or_path": str(root / "model"),
+                                                    "r": 8, "target_modules": ["q_proj"]}))
+    write(path / "adapter_model.safetensors", "")
+    return path
+
+
+def ground_truths_file(path, *truths):
+    """Arithmetic prompts (scored by the built-in rule, which compares with the ground truth: the cases set
+    reward.function=null) with these truths."""
+    pq.write_table(pa.table({"prompt": [f"What is {i} + 1?" for i in range(len(truths))], "ground_truth": list(truths),
+                             "data_source": ["arithmetic"] * len(truths)}), str(path))
+    return path
+
+
+GROUND_TRUTH_SENTENCE = ("{tmp}/g.parquet row 1: the ground truth is %s, but data_source 'arithmetic' is scored by "
+                         "library.arithmetic_score, which compares each response with it; fill it in or drop the row")
+
+
 # case → (setup(tmp, root) → overrides, the sentence, formatted with {tmp} and {root})
 PPO_CASES = {
     "reward file missing": (lambda tmp, root: [f"reward.function={tmp}/nope.py:compute_score"],
@@ -111,6 +166,41 @@ PPO_CASES = {
     "prompt of 0 tokens": (lambda tmp, root: [f"model.tokenizer_path={tokenizer_only(tmp / 't', chat_template=False)}",
                                               f"data.train_files={prompts_file(tmp / 'p.parquet', 'What is 1?', '')}"],
                            "{tmp}/p.parquet row 1: the prompt is 0 tokens once rendered"),
+    # issue 24: no code from a model folder, no pickles, no adapter as a model, ground truths checked on reading
+    "model folder with code": (lambda tmp, root: [f"model.path={planted_folder(tmp / 'planted', root, tmp)}"],
+                               "model.path: {tmp}/planted/config.json maps its classes to code in the folder "
+                               "(planted.py), which runs only with model.trust_remote_code=true; set it if you trust "
+                               "that code, or give a folder transformers loads by itself"),
+    "tokenizer with code": (lambda tmp, root: [f"model.path={planted_folder(tmp / 'p', root, tmp, 'tokenizer')}"],
+                            "model.path: {tmp}/p/tokenizer_config.json maps its classes to code in the folder "
+                            "(planted.py), which runs only with model.trust_remote_code=true"),
+    "critic backbone with code": (lambda tmp, root: ["algorithm.adv_estimator=gae",
+                                                     f"critic.model_path={planted_folder(tmp / 'c', root, tmp)}"],
+                                  "critic.model_path: {tmp}/c/config.json maps its classes to code in the folder"),
+    "pickle weights": (lambda tmp, root: [f"model.path={pickled_folder(tmp / 'pk', root, tmp)}"],
+                       "model.path: {tmp}/pk holds only pickle weights (pytorch_model.bin), which this library does "
+                       "not load (unpickling can run code); convert them to safetensors once, where you trust the "
+                       "file: python -c \"from transformers import LlamaForCausalLM as M; "
+                       "M.from_pretrained('{tmp}/pk').save_pretrained('{tmp}/pk')\""),
+    "reward model of pickles": (lambda tmp, root: ["reward.type=model",
+                                                   f"reward.model_path={pickled_folder(tmp / 'rm', root, tmp)}"],
+                                "reward.model_path: {tmp}/rm holds only pickle weights (pytorch_model.bin)"),
+    "adapter as model.path": (lambda tmp, root: [f"model.path={adapter_folder(tmp / 'final', root)}"],
+                              "model.path: {tmp}/final is a LoRA adapter (adapter_config.json), not a whole model; "
+                              "merge it into its base first, python tools/merge_lora.py {tmp}/final "
+                              "{tmp}/final-merged, and give {tmp}/final-merged"),
+    "NaN ground truth": (lambda tmp, root: [f"data.train_files={ground_truths_file(tmp / 'g.parquet', 3.0, math.nan)}",
+                                  "reward.function=null"],
+                         GROUND_TRUTH_SENTENCE % "NaN"),
+    "null ground truth": (lambda tmp, root: [f"data.train_files={ground_truths_file(tmp / 'g.parquet', '3', None)}",
+                                  "reward.function=null"],
+                          GROUND_TRUTH_SENTENCE % "null"),
+    "empty ground truth": (lambda tmp, root: [f"data.train_files={ground_truths_file(tmp / 'g.parquet', '3', ' ')}",
+                                  "reward.function=null"],
+                           GROUND_TRUTH_SENTENCE % "empty"),
+    "'nan' ground truth": (lambda tmp, root: [f"data.val_files={ground_truths_file(tmp / 'g.parquet', '3', 'nan')}",
+                                  "reward.function=null"],
+                           GROUND_TRUTH_SENTENCE % "the text 'nan' (a missing number written out)"),
     "fixed key changed on resume": (
         lambda tmp, root: [f"trainer.output_dir={checkpoint_of(root, tmp / 'out', 'model.lora_rank=8')}",
                            "model.lora_rank=4"],
@@ -127,6 +217,7 @@ def test_ppo_bad_input_fails_in_one_sentence_before_any_model_loads(workdir, tmp
     with pytest.raises((config.ConfigError, data.DataError)) as e:
         ppo.main(cfg)
     assert message.format(tmp=tmp_path, root=workdir) in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "RAN").exists(), "code from a model folder, or a pickle, ran"
 
 
 RM_CASES = {
@@ -140,6 +231,11 @@ RM_CASES = {
                            "{tmp}/p.parquet row 0: `margin` must be a finite number or null, got 'x'"),
     "resume path missing": (lambda tmp, root: [f"reward_model.resume={tmp}/step_3"],
                             "reward_model.resume: {tmp}/step_3 is not a checkpoint"),
+    "backbone with code": (lambda tmp, root: [f"reward_model.model_path={planted_folder(tmp / 'b', root, tmp)}"],
+                           "reward_model.model_path: {tmp}/b/config.json maps its classes to code in the folder "
+                           "(planted.py), which runs only with reward_model.trust_remote_code=true"),
+    "backbone of pickles": (lambda tmp, root: [f"reward_model.model_path={pickled_folder(tmp / 'b', root, tmp)}"],
+                            "reward_model.model_path: {tmp}/b holds only pickle weights (pytorch_model.bin)"),
 }
 
 
@@ -152,6 +248,7 @@ def test_reward_model_bad_input_fails_in_one_sentence_before_any_model_loads(wor
     with pytest.raises((config.ConfigError, data.DataError)) as e:
         reward_model.main(cfg)
     assert message.format(tmp=tmp_path, root=workdir) in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "RAN").exists(), "code from a model folder, or a pickle, ran"
 
 
 @pytest.mark.parametrize("override, sentence", [

@@ -38,9 +38,9 @@ def prepare_smollm2(output: str = DEFAULT_OUTPUT, overwrite: bool = False) -> st
 
     from infra.models import check_output_folder, save_pretrained_atomic
 
+    check_output_folder(output, overwrite)  # before the minute of dequantising
     gguf = find_gguf()
     folder, name = os.path.split(gguf)
-    check_output_folder(output, overwrite, inputs=(folder,))  # before the minute of dequantising
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     dequantised = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     config = dequantised.config
