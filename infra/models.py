@@ -239,8 +239,9 @@ def check_output_folder(path: str, overwrite: bool, inputs: tuple = ()) -> None:
         raise ConfigError(f"the output folder {path} is a file; choose another output folder")
     entries = sorted(os.listdir(path)) if os.path.isdir(path) else []
     if entries and not overwrite:
-        raise ConfigError(f"the output folder {path} exists and is not empty ({len(entries)} entries, e.g. "
-                          f"{entries[0]}); choose a new or empty folder, or pass --overwrite to replace it")
+        count = f"{len(entries)} {'entry' if len(entries) == 1 else 'entries'}"
+        raise ConfigError(f"the output folder {path} exists and is not empty ({count}, e.g. {entries[0]}); choose a "
+                          f"new or empty folder, or pass --overwrite to replace it")
 
 
 def save_pretrained_atomic(model, tokenizer, path: str, state_dict=None, *, overwrite: bool, inputs: tuple = ()):
@@ -257,6 +258,9 @@ def save_pretrained_atomic(model, tokenizer, path: str, state_dict=None, *, over
     try:
         os.makedirs(parent, exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=parent)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would hide the model from other users (a serving account)
     except OSError as e:
         raise SaveError(f"cannot write {path} ({e.strerror}); nothing was written") from None
     from safetensors import SafetensorError
@@ -273,7 +277,6 @@ def save_pretrained_atomic(model, tokenizer, path: str, state_dict=None, *, over
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-
 
 
 def replace_folder(new: str, path: str) -> None:

@@ -2,11 +2,10 @@
 atomically (step_<N>.tmp/ renamed to step_<N>/, the last `keep` kept), resuming (and what a resumed run does with
 later checkpoints and metric lines), and SIGTERM / Ctrl-C ending a step with a checkpoint.
 The checkpoint's contents (safetensors + JSON) are distributed.save_training_state's; beside them each checkpoint
-has a manifest.json: the size and sha256 of every file it wrote and a fingerprint of the base models it was trained
-from. Resuming checks both before any model loads (checkpoint_problem, check_bases): a damaged file is named, and
-resume=auto falls back to the newest intact checkpoint."""
+has a manifest.json (infra/manifests.py): the size and sha256 of every file it wrote and a fingerprint of the base
+models it was trained from. Resuming checks both before any model loads (intact_resume, record_bases): a damaged
+file is named, resume=auto falls back to the newest intact checkpoint, and a changed base model fails."""
 import fcntl
-import hashlib
 import json
 import os
 import re
@@ -24,8 +23,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from infra import cli
 from infra.config import ConfigError, SaveError, write_error
 from infra.distributed import load_training_state, save_training_state
+from infra.manifests import checkpoint_problem, fingerprint, recorded_bases, write_manifest
 
-MANIFEST = "manifest.json"  # in each checkpoint: {"files": {relative path: {"size", "sha256"}}, "base_models": …}
 BASES_FILE = "base_models.json"  # in output_dir: this run's base models and their fingerprints (record_bases)
 WRITE_ERRORS = (OSError, SafetensorError, CheckpointException)  # a full disk or a folder made read-only
 
@@ -66,7 +65,7 @@ def save_checkpoint(accelerator, output_dir: str, step: int, keep: int, models: 
     tmp = final + ".tmp"
 
     def publish():  # rank 0, once every process has written its files
-        write_manifest(tmp, output_dir)
+        write_manifest(tmp, run_bases(output_dir))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         for old in checkpoints(output_dir)[:-keep] if keep > 0 else []:
@@ -117,60 +116,6 @@ def first_error(accelerator, error: Optional[str]) -> Optional[str]:
     return error
 
 
-# ---------------------------------------------------------------------------------------
-# Manifests: what a checkpoint holds, and what it was trained from
-
-
-def sha256_of(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def write_manifest(folder: str, output_dir: str) -> None:
-    """folder/manifest.json: the size and sha256 of every file in `folder` and the run's base models (BASES_FILE)."""
-    files = {}
-    for root, _, names in os.walk(folder):
-        for name in sorted(names):
-            path = os.path.join(root, name)
-            files[os.path.relpath(path, folder)] = {"size": os.path.getsize(path), "sha256": sha256_of(path)}
-    bases = {}
-    if os.path.exists(os.path.join(output_dir, BASES_FILE)):
-        with open(os.path.join(output_dir, BASES_FILE)) as f:
-            bases = json.load(f)
-    with open(os.path.join(folder, MANIFEST), "w") as f:
-        json.dump({"files": files, "base_models": bases}, f, indent=1)
-
-
-def checkpoint_problem(folder: str) -> Optional[str]:
-    """What is wrong with the checkpoint `folder` (the first damaged file and how), or None when every file its
-    manifest lists has its size and sha256. A checkpoint from before manifests needs a readable state.json."""
-    manifest = os.path.join(folder, MANIFEST)
-    if not os.path.exists(manifest):
-        try:
-            with open(os.path.join(folder, "state.json")) as f:
-                json.load(f)
-        except (OSError, ValueError) as e:
-            return f"{folder}/state.json is damaged ({type(e).__name__})"
-        return None
-    try:
-        with open(manifest) as f:
-            files = json.load(f)["files"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return f"{manifest} is damaged ({type(e).__name__})"
-    for name, want in files.items():
-        path = os.path.join(folder, name)
-        if not os.path.isfile(path):
-            return f"{path} is missing"
-        if os.path.getsize(path) != want["size"]:
-            return f"{path} is {os.path.getsize(path)} bytes, {want['size']} when it was written"
-        if sha256_of(path) != want["sha256"]:
-            return f"{path} has changed since it was written (its sha256 differs)"
-    return None
-
-
 def intact_resume(accelerator, resume: str, output_dir: str, key: str):
     """resolve_resume's checkpoint, checked (checkpoint_problem) on rank 0 before any model loads: a damaged one
     given by path fails in one sentence; with resume=auto the newest intact one is taken, saying which were
@@ -213,38 +158,13 @@ def on_rank0(accelerator, fn):
     return value
 
 
-def fingerprint(folder: str) -> Optional[str]:
-    """What identifies a model folder's weights beyond its path: sha256 over config.json and, per *.safetensors
-    file, its header (every tensor's name, dtype, shape, offsets) and 3 × 1 KiB of every tensor (its start, middle
-    and end), so a few MiB are read whatever the model's size. Training or merging changes every element of a
-    tensor it touches, so new weights at the same path change this. None for a hub id (no local folder)."""
-    if not os.path.isdir(folder):
-        return None
-    digest = hashlib.sha256()
-    for name in ["config.json"] + sorted(f for f in os.listdir(folder) if f.endswith(".safetensors")):
-        path = os.path.join(folder, name)
-        if not os.path.isfile(path):
-            continue
-        digest.update(name.encode())
-        with open(path, "rb") as f:
-            if not name.endswith(".safetensors"):
-                digest.update(f.read())
-                continue
-            try:
-                size = int.from_bytes(f.read(8), "little")
-                header = f.read(size)
-                tensors = json.loads(header)
-            except ValueError:  # not a safetensors file after all: its size and first MiB
-                f.seek(0)
-                digest.update(f"{os.path.getsize(path)}".encode() + f.read(1 << 20))
-                continue
-            digest.update(header)
-            for tensor in sorted(k for k in tensors if k != "__metadata__"):
-                start, end = tensors[tensor]["data_offsets"]
-                for at in (start, (start + end) // 2, max(start, end - 1024)):
-                    f.seek(8 + size + at)
-                    digest.update(f.read(min(1024, end - at)))
-    return digest.hexdigest()
+def run_bases(output_dir: str) -> dict:
+    """This run's base models, as record_bases wrote them to <output_dir>/BASES_FILE ({} before it has)."""
+    path = os.path.join(output_dir, BASES_FILE)
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
 
 
 BASE_KEYS = {"trainer": ("model.path", "critic.model_path"), "reward_model": ("reward_model.model_path",)}
@@ -259,10 +179,7 @@ def record_bases(accelerator, cfg, stage: str, unused: frozenset, checkpoint) ->
         values = cli.flatten(cli.to_dict(cfg))
         bases = {key: {"path": values[key], "fingerprint": fingerprint(values[key])} for key in BASE_KEYS[stage]
                  if key not in unused and values.get(key)}
-        recorded = {}
-        if checkpoint and os.path.exists(os.path.join(checkpoint, MANIFEST)):
-            with open(os.path.join(checkpoint, MANIFEST)) as f:
-                recorded = json.load(f).get("base_models", {})
+        recorded = recorded_bases(checkpoint) if checkpoint else {}
         for key, now in bases.items():
             then = recorded.get(key)
             if then and then["fingerprint"] and now["fingerprint"] and then["fingerprint"] != now["fingerprint"]:
@@ -275,7 +192,6 @@ def record_bases(accelerator, cfg, stage: str, unused: frozenset, checkpoint) ->
             json.dump(bases, f, indent=1)
         os.replace(path + ".tmp", path)
     on_rank0(accelerator, record)
-
 
 
 def lock_output_dir(accelerator, output_dir: str, key: str):

@@ -58,7 +58,7 @@ def test_merge_lora_refuses_a_non_empty_output_and_never_replaces_its_inputs(wor
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
-        f"tools/merge_lora.py: the output folder {out} exists and is not empty (1 entries, e.g. notes.txt); choose "
+        f"tools/merge_lora.py: the output folder {out} exists and is not empty (1 entry, e.g. notes.txt); choose "
         f"a new or empty folder, or pass --overwrite to replace it")
     assert (out / "notes.txt").read_text() == "mine"
     base, before = workdir / "model", {p: files_of(p) for p in (workdir / "model", adapter)}
@@ -101,7 +101,7 @@ def test_prepare_model_refuses_a_non_empty_output(tmp_path):
     proc = subprocess.run([sys.executable, "tools/prepare_model.py", "--output", str(tmp_path / "out")], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1] == (
-        f"tools/prepare_model.py: the output folder {tmp_path}/out exists and is not empty (1 entries, e.g. "
+        f"tools/prepare_model.py: the output folder {tmp_path}/out exists and is not empty (1 entry, e.g. "
         f"notes.txt); choose a new or empty folder, or pass --overwrite to replace it")
     assert (tmp_path / "out" / "notes.txt").read_text() == "mine"
 
@@ -503,7 +503,7 @@ def flip_a_byte(path, at=-100):
 def test_every_checkpoint_records_its_files_and_its_base_model(two_steps):
     """manifest.json lists every file the checkpoint wrote with its size and sha256, and the base model's path and
     fingerprint."""
-    from infra.runs import fingerprint, sha256_of
+    from infra.manifests import fingerprint, sha256_of
     manifest = json.loads((two_steps / "step_2" / "manifest.json").read_text())
     on_disk = {os.path.relpath(os.path.join(root, n), two_steps / "step_2")
                for root, _, names in os.walk(two_steps / "step_2") for n in names} - {"manifest.json"}
