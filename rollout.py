@@ -191,7 +191,8 @@ class VLLMRollout:
         self.llm = LLM(model=cfg.model.path, tokenizer=cfg.model.tokenizer_path or cfg.model.path,
                        dtype=self.dtype, seed=cfg.trainer.seed, enforce_eager=cfg.rollout.enforce_eager,
                        max_model_len=max_len, enable_prefix_caching=True, logprobs_mode="processed_logprobs",
-                       enable_sleep_mode=self.sleeps, distributed_executor_backend=backend, **memory)
+                       enable_sleep_mode=self.sleeps, distributed_executor_backend=backend,
+                       trust_remote_code=cfg.model.trust_remote_code, **memory)
         self.asleep = set()  # the parts of a sleeping engine: "weights", "kv_cache"
         self.stale_prefix_cache = False
         self.sync_weights(model)

@@ -106,6 +106,27 @@ def test_prepare_model_refuses_a_non_empty_output(tmp_path):
     assert (tmp_path / "out" / "notes.txt").read_text() == "mine"
 
 
+# ---- no code from a model folder
+
+
+def test_a_yes_piped_into_the_run_does_not_run_a_model_folders_code(workdir, tmp_path):  # noqa: F811
+    """`yes | python ppo.py model.path=<a folder whose config maps to its own planted.py>`: transformers used to ask
+    on stdin and run the code on `y`; now the run ends in one sentence naming model.trust_remote_code, exit 1, and
+    the code never ran. With model.trust_remote_code=true the check lets the folder through (the user's choice)."""
+    from infra.models import check_model_path
+    from test_faults import planted_folder
+    planted = planted_folder(tmp_path / "planted", workdir, tmp_path)
+    cmd = [sys.executable, "ppo.py", "--config", "configs.yaml", *base_args(workdir, tmp_path / "out"),
+           f"model.path={planted}"]
+    proc = subprocess.run(cmd, cwd=REPO, input="y\n" * 100, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        f"ppo.py: model.path: {planted}/config.json maps its classes to code in the folder (planted.py), which runs "
+        f"only with model.trust_remote_code=true")
+    assert not (tmp_path / "RAN").exists()
+    check_model_path(str(planted), "model.path", trust_remote_code=True)
+
+
 # ---- real disk faults: a small tmpfs of our own
 
 

@@ -283,3 +283,17 @@ def test_an_unknown_data_source_with_the_built_ins_stops_the_run():
     rows = [{"data_source": "my/data", "ground_truth": "1", "extra_info": {}}] * 2
     with pytest.raises(rewards.RewardError, match=r"first error: ValueError: no built-in reward for data_source"):
         rewards.score_responses(default_compute_score, rows, ["1", "2"])
+
+
+@pytest.mark.parametrize("data_source", ["lighteval/MATH", "math_dapo", "numina_olympiads", "boxed", "gsm8k",
+                                         "openai/gsm8k"])
+def test_a_ground_truth_that_reads_nan_matches_nothing(data_source):
+    """A NaN ground truth turned into the text "nan" once scored \\boxed{nan} as right under the MATH, DAPO, PRIME
+    (numina) and boxed rules, a reward a policy could learn to game: now no answer matches it, while a real ground
+    truth still matches its answer."""
+    def score(response, truth):
+        result = default_compute_score(data_source, response, truth)
+        return result["score"] == 1.0 if isinstance(result, dict) else result == 1.0
+    for truth in ("nan", "NaN", " -nan "):
+        assert not any(score(r, truth) for r in ("\\boxed{nan}", "\\boxed{NaN}", "Answer: nan", "#### nan", "nan"))
+    assert score("\\boxed{5}" if "gsm8k" not in data_source else "#### 5", "5")
