@@ -220,7 +220,7 @@ def test_a_file_of_the_run_made_read_only_during_the_run_ends_in_one_sentence(wo
                         f"mount -o remount,bind,ro {out}/metrics.jsonl; wait $!; echo exit=$?; }}")
     assert "exit=1" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
-    step = proc.stderr.split(f"ppo.py: cannot append step ")[1].split()[0]
+    step = proc.stderr.split("ppo.py: cannot append step ")[1].split()[0]
     assert proc.stderr.strip().splitlines()[-1] == (
         f"ppo.py: cannot append step {step} to {out}/metrics.jsonl (Read-only file system); the lines and checkpoints "
         f"before it are kept: free space or fix the permissions, then run the same command again to resume")
