@@ -42,6 +42,15 @@ class Samples:
     scores: torch.Tensor  # (B,) the task scores, length shaping included
     truncated: torch.Tensor  # (B,) bool: cut off at rollout.max_response_length without EOS
 
+    def as_batch(self, pad_id: int) -> dict:
+        """ppo.py's batch of step 2: queries and query_mask (B, Tq), left-padded; responses, response_mask and, where
+        the sampler gave them, rollout_logprobs (B, Tr)."""
+        queries, query_mask = left_pad([row["prompt_ids"] for row in self.rows], pad_id)  # (B, Tq)
+        batch = dict(queries=queries, query_mask=query_mask, responses=self.responses, response_mask=self.response_mask)
+        if self.rollout_logprobs is not None:
+            batch["rollout_logprobs"] = self.rollout_logprobs
+        return batch
+
     def take(self, rows: list[int]) -> "Samples":
         return Samples(*[None if v is None else [v[i] for i in rows] if isinstance(v, list) else v[rows]
                          for v in vars(self).values()])
@@ -242,7 +251,8 @@ class VLLMRollout:
         self.llm = LLM(model=cfg.model.path, tokenizer=cfg.model.tokenizer_path or cfg.model.path,
                        dtype=self.dtype, seed=cfg.trainer.seed, enforce_eager=cfg.rollout.enforce_eager,
                        max_model_len=max_len, enable_prefix_caching=True, logprobs_mode="processed_logprobs",
-                       enable_sleep_mode=self.sleeps, distributed_executor_backend=backend, **memory)
+                       enable_sleep_mode=self.sleeps, distributed_executor_backend=backend,
+                       trust_remote_code=cfg.model.trust_remote_code, **memory)
         self.asleep = set()  # the parts of a sleeping engine: "weights", "kv_cache"
         self.stale_prefix_cache = False
         self.sync_weights(model)

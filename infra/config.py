@@ -6,6 +6,7 @@ comment); cli.py reads a YAML file and dotted overrides into them and checks eve
 the batch sizes ppo.py derives (check_sizes) and the settings that cannot work together (check_combinations).
 """
 import importlib.util
+import re
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
@@ -26,7 +27,15 @@ class LoRAFields:
 
 
 @dataclass
-class ModelConfig(LoRAFields):
+class ModelFolderFields:
+    trust_remote_code: bool = False
+    """run Python code that a model folder ships (an `auto_map` in its config.json or tokenizer_config.json) when
+    loading its model, tokenizer or config (ppo.py: policy, reference, critic and reward model; reward_model.py:
+    the backbone). false: a folder that needs such code is refused, in one sentence, before anything loads"""
+
+
+@dataclass
+class ModelConfig(LoRAFields, ModelFolderFields):
     path: str = "models/SmolLM2-135M-Instruct"
     """policy checkpoint: a local folder or a hub id (the demo model is made by tools/prepare_model.py)"""
     tokenizer_path: Optional[str] = None
@@ -273,6 +282,9 @@ class RewardConfig:
     """the soft punishment at a response of rollout.max_response_length tokens"""
     overlong_filter: bool = False
     """DAPO's overlong filtering: responses cut off at max_response_length (no EOS) are left out of the policy loss"""
+    timeout_s: float = 30.0
+    """seconds one call of a custom reward.function may take: it runs in a worker process, which is restarted after
+    a call that hangs, exits or kills it; such a call is an error for its sample (reward/errors)"""
 
 
 @dataclass
@@ -294,7 +306,10 @@ class RunFields:
     keep_checkpoints: int = 2
     """keep the last N step_* checkpoints"""
     resume: str = "auto"
-    """auto (latest checkpoint in output_dir), off, or a checkpoint path"""
+    """auto (the newest intact checkpoint in output_dir), off, or a checkpoint path"""
+    max_skipped_steps: int = 3
+    """stop, without writing final/, when this many steps in a row skipped an optimiser step for a non-finite loss
+    or gradient: the model is not learning (0 = never stop)"""
 
 
 @dataclass
@@ -350,7 +365,7 @@ class Config:
 
 
 @dataclass
-class RewardModelConfig(LoRAFields, RunFields):
+class RewardModelConfig(LoRAFields, RunFields, ModelFolderFields):
     model_path: str = "models/SmolLM2-135M-Instruct"
     """backbone for the Bradley-Terry reward model: a causal LM folder (a 1-output `score` head is added)"""
     tokenizer_path: Optional[str] = None
@@ -405,6 +420,24 @@ class RewardModelStage:
 
 class ConfigError(ValueError):
     pass
+
+
+class SaveError(ConfigError):
+    """A file of the run could not be written (disk full, permissions); the message names the folder and what was
+    kept."""
+
+
+def write_error(e: BaseException) -> str:
+    """Why a write failed, in a few words: the OS's reason (No space left on device, Permission denied …), also
+    from inside safetensors' error ("… I/O error: No space left on device (os error 28)") or torch's checkpoint
+    writer (a CheckpointException holding each process's error)."""
+    failures = getattr(e, "failures", None)  # torch.distributed.checkpoint.api.CheckpointException
+    if failures:
+        e = next(iter(failures.values()))[0]
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    found = re.search(r"I/O error: ([^(]+)", str(e))
+    return found.group(1).strip() if found else str(e)[:200]
 
 
 def exact_div(a: int, b: int, what: str) -> int:
@@ -478,7 +511,7 @@ RANGES = {
                 "ppo_epochs ppo_mini_batch_size ppo_micro_batch_size_per_device log_prob_micro_batch_size_per_device "
                 "max_token_len_per_device horizon total_steps max_kl_window batch_size micro_batch_size_per_device "
                 "max_length lora_alpha",
-    "(0, inf)": "lr target_kl max_grad_norm rollout_is_threshold rollout_rs_threshold clip",
+    "(0, inf)": "lr target_kl max_grad_norm rollout_is_threshold rollout_rs_threshold clip timeout_s",
     "(0, 1]": "top_p gpu_memory_utilization",
     "[0, 1)": "lora_dropout betas",
     "[0, 1]": "gamma lam warmup_ratio min_lr_ratio clip_ratio_low",
@@ -487,6 +520,8 @@ RANGES = {
     "(-inf, inf)": "rule_weight model_weight overlong_penalty",
 }
 RANGE_OF = {name: interval for interval, names in RANGES.items() for name in names.split()}
+# List keys whose length is fixed, by field name: AdamW takes exactly two betas.
+LENGTH_OF = {"betas": 2}
 
 
 # Keys a resumed run must share with the run that wrote the checkpoint: they shape the saved weights (model,
