@@ -342,7 +342,7 @@ def check_multi_turn(cfg_rollout, tokenizer) -> Optional[TurnSettings]:
         raise ConfigError(f"rollout.multi_turn.format={m.format!r} is not one of {', '.join(PARSERS)}")
     ToolTemplate(tokenizer)
     return TurnSettings(m.max_turns, cfg_rollout.max_response_length, PARSERS[m.format], load_tools(m.tools),
-                        m.tool_timeout, m.max_tool_response_length)
+                        m.tool_timeout_s, m.max_tool_response_length)
 
 
 def with_tools(backend, cfg_rollout, tokenizer):

@@ -79,16 +79,49 @@ def check_prompt(prompt, where: str) -> None:
                     f"got {type(prompt).__name__} {str(prompt)[:80]!r}")
 
 
-def ground_truth_of(row: dict):
-    """Ours: row["ground_truth"]; verl's: row["reward_model"]["ground_truth"]. Numbers become strings."""
+def raw_ground_truth(row: dict):
+    """Ours: row["ground_truth"]; verl's: row["reward_model"]["ground_truth"]; as stored."""
     gt = row.get("ground_truth")
     if gt is None and isinstance(row.get("reward_model"), dict):
         gt = row["reward_model"].get("ground_truth")
+    return gt
+
+
+def ground_truth_of(row: dict):
+    """The row's ground truth (raw_ground_truth). Numbers become strings; NaN and ±inf (NaN is how pandas writes a
+    missing number) become None, never the text "nan"."""
+    gt = raw_ground_truth(row)
+    if isinstance(gt, float) and not math.isfinite(gt):
+        return None
     if isinstance(gt, float) and gt.is_integer():
         gt = int(gt)  # a column with nulls is stored as float: 72.0 must still read "72"
     if isinstance(gt, (int, float)) and not isinstance(gt, bool):
         gt = str(gt)
     return gt
+
+
+def missing_ground_truth(gt):
+    """How a stored ground truth that no rule can compare with reads ("null", "NaN", "empty", "the text 'nan' …"),
+    or None when it is usable."""
+    if gt is None:
+        return "null"
+    if isinstance(gt, float) and not math.isfinite(gt):
+        return str(gt).replace("nan", "NaN")
+    if (isinstance(gt, str) and not gt.strip()) or (isinstance(gt, (list, dict)) and not gt):
+        return "empty"
+    if isinstance(gt, str) and gt.strip().lstrip("+-").lower() == "nan":
+        return f"the text {gt!r} (a missing number written out)"
+    return None
+
+
+def check_ground_truth(row: dict, where: str, rule_of) -> None:
+    """A row whose data_source is scored by a rule that compares with the ground truth (rule_of(data_source): the
+    rule's name, or None) must have one; else a DataError naming the row and the rule."""
+    rule = rule_of(row.get("data_source") or "unknown") if rule_of else None
+    problem = rule and missing_ground_truth(raw_ground_truth(row))
+    if problem:
+        raise DataError(f"{where}the ground truth is {problem}, but data_source {row.get('data_source')!r} is scored "
+                        f"by {rule}, which compares each response with it; fill it in or drop the row")
 
 
 def render_prompt(prompt, tokenizer) -> str:
@@ -110,8 +143,10 @@ def tokenize_prompts(texts: list[str], tokenizer) -> list[list[int]]:
     return [x[1:] if bos is not None and len(x) > 1 and x[0] == x[1] == bos else x for x in ids]
 
 
-def load_rl_dataset(path: str, tokenizer, max_prompt_length: int, truncation: str) -> tuple[list[dict], dict]:
-    """Read RL prompts (ours or verl's layout) and tokenize them; returns (rows, stats).
+def load_rl_dataset(path: str, tokenizer, max_prompt_length: int, truncation: str,
+                    rule_of=None) -> tuple[list[dict], dict]:
+    """Read RL prompts (ours or verl's layout) and tokenize them; returns (rows, stats). `rule_of(data_source)`: the
+    name of the rule that will compare its responses with the ground truth, or None (check_ground_truth).
 
     rows: {"prompt_ids", "prompt_text", "ground_truth", "data_source", "extra_info", "prompt" (as stored, for a
     reward model that renders it with its own template)}; stats: {"rows", "kept", "truncated", "filtered"}.
@@ -124,6 +159,7 @@ def load_rl_dataset(path: str, tokenizer, max_prompt_length: int, truncation: st
     raw, texts = table.to_pylist(), []
     for i, row in enumerate(raw):
         check_prompt(row["prompt"], f"{path} row {i}: ")
+        check_ground_truth(row, f"{path} row {i}: ", rule_of)
         if not isinstance(row["prompt"], str) and tokenizer.chat_template is None:
             raise DataError(f"{path} row {i}: the prompt is a list of chat messages but the tokenizer has no "
                             f"chat_template; use a tokenizer with one (model.tokenizer_path) or store prompts as text")
@@ -151,15 +187,15 @@ def load_rl_dataset(path: str, tokenizer, max_prompt_length: int, truncation: st
     return rows, {"rows": len(raw), "kept": len(rows), "truncated": truncated, "filtered": filtered}
 
 
-def load_prompts(cfg_data, tokenizer, print0) -> tuple[list, list]:
+def load_prompts(cfg_data, tokenizer, print0, rule_of=None) -> tuple[list, list]:
     """Training and validation prompts, tokenised once (load_rl_dataset), with their counts printed."""
     train_rows, stats = load_rl_dataset(cfg_data.train_files, tokenizer, cfg_data.max_prompt_length,
-                                             cfg_data.truncation)
+                                        cfg_data.truncation, rule_of)
     print0(f"train prompts: {stats}")
     val_rows = []
     if cfg_data.val_files:
         val_rows, stats = load_rl_dataset(cfg_data.val_files, tokenizer, cfg_data.max_prompt_length,
-                                               cfg_data.truncation)
+                                          cfg_data.truncation, rule_of)
         val_rows = val_rows[:cfg_data.val_max_samples or None]
         print0(f"val prompts: {stats}, using {len(val_rows)}")
     return train_rows, val_rows

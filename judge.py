@@ -8,8 +8,8 @@ OpenAI-compatible endpoint (vLLM's server, or any other); its answer, parsed, is
 reward.type=judge scores with the judge alone; reward.type=rule+judge adds reward.rule_weight·rule and
 reward.judge.weight·judge. Before any model loads, check_judge asks the endpoint which models it serves: one that
 does not answer, or does not serve reward.judge.model, stops the run in one sentence naming the key. While training,
-`max_concurrency` requests are in flight at once, each given `timeout` seconds, and one that timed out, could not
-connect or got a 429 or 5xx is retried `max_retries` times, after backoff, 2·backoff, … seconds. A sample whose
+`max_concurrency` requests are in flight at once, each given `timeout_s` seconds, and one that timed out, could not
+connect or got a 429 or 5xx is retried `max_retries` times, after backoff_s, 2·backoff_s, … seconds. A sample whose
 request still fails, or whose answer does not parse, scores 0 and counts in reward/judge_errors; when that is every
 sample of a batch the run stops (rewards.Scorer raises RewardError), as for a failing reward function. The judge's
 raw answers are shown in the sample table.
@@ -99,7 +99,7 @@ def served_model(cfg) -> str:
     """The model to ask: reward.judge.model, which the endpoint must serve, or (null) the only one it serves."""
     import openai
 
-    with openai.OpenAI(base_url=cfg.base_url, api_key=api_key(cfg), timeout=min(cfg.timeout, 10.0),
+    with openai.OpenAI(base_url=cfg.base_url, api_key=api_key(cfg), timeout=min(cfg.timeout_s, 10.0),
                        max_retries=0) as client:
         try:
             served = [m.id for m in client.models.list()]
@@ -166,12 +166,12 @@ class Judge:
         import openai
 
         limit = asyncio.Semaphore(self.cfg.max_concurrency)
-        async with openai.AsyncOpenAI(base_url=self.cfg.base_url, api_key=api_key(self.cfg), timeout=self.cfg.timeout,
+        async with openai.AsyncOpenAI(base_url=self.cfg.base_url, api_key=api_key(self.cfg), timeout=self.cfg.timeout_s,
                                       max_retries=0) as client:  # retries are ask's, with its backoff
             return await asyncio.gather(*(self.ask(client, limit, p) for p in prompts), return_exceptions=True)
 
     async def ask(self, client, limit: asyncio.Semaphore, prompt: str) -> str:
-        """One chat completion; after a timeout, a lost connection, a 429 or a 5xx it waits backoff·2^attempt
+        """One chat completion; after a timeout, a lost connection, a 429 or a 5xx it waits backoff_s·2^attempt
         seconds (holding no slot) and tries again, max_retries times."""
         import openai
 
@@ -186,4 +186,4 @@ class Judge:
             except retried:
                 if attempt == self.cfg.max_retries:
                     raise
-            await asyncio.sleep(self.cfg.backoff * 2 ** attempt)
+            await asyncio.sleep(self.cfg.backoff_s * 2 ** attempt)

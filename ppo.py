@@ -67,20 +67,22 @@ import kl
 from advantages import COMPARES_SAMPLES, masked_mean, NEEDS_CRITIC, varied_groups
 from critic import explained_variance, value_loss
 from infra import cli, config
-from infra.batches import autocast_dtype, batch_layout, Forward, micro_batch, per_token_pass, split_micro
+from infra.batches import autocast_dtype, Forward, micro_batch, per_token_pass, split_micro
 from infra.config import check_combinations, check_sizes, ConfigError
 from infra.distributed import fsdp_from_launcher, max_over_processes, use_cpu
+from infra.layouts import batch_layout
 from infra.metrics import check_loggers, console_line, reduce_metrics, sample_table, sum_over_processes, timed
-from infra.models import check_model_folders, load_models, load_tokenizer
+from infra.models import check_model_folders, load_models, policy_tokenizer
 from infra.optim import make_optimizer, train_step
-from infra.runs import keep_best, resume, save_checkpoint, save_final, start_run, StopSignal, TrainState
+from infra.runs import Interrupted, save_checkpoint, skipped_steps_error, start_run, StopSignal
+from infra.train_state import keep_best, resume, save_final, TrainState
 from infra.trunk import plan_trunk
 from kl import KLController, kl_estimate, kl_penalty_rewards
 from losses import agg_loss, Clip, Counts, POLICY_LOSSES, rejection_mask, rollout_is_weights
 from data import load_prompts
-from rewards import (check_data_sources, check_reward_inputs, decode_responses, overlong_reward,
+from rewards import (check_data_sources, check_reward_inputs, decode_responses, overlong_reward, rule_needing_truth,
                      score_on_every_process, Scorer, validate)
-from rollout import cut_off, HFRollout, left_pad, make_rollout, Samples
+from rollout import cut_off, make_rollout, Samples
 
 CONSOLE_KEYS = ["score/mean", "reward/mean", "kl/mean", "policy/entropy", "policy/clipfrac", "loss/policy",
                 "loss/value", "value/explained_var", "response/length_mean", "val/score/mean", "val/rule_score/mean",
@@ -235,8 +237,7 @@ class Sampler:
             scores, metrics = score_on_every_process(self.scorer, rows, texts, self.accelerator)  # (B,)
             if self.scorer.judge_answers:  # reward.type=judge: its raw answers, for the sample table
                 rows = [{**row, "judge_answer": answer} for row, answer in zip(rows, self.scorer.judge_answers)]
-            lengths = (ro.response_mask if ro.attention_mask is None else ro.attention_mask).sum(1)  # (B,) EOS,
-            # and the tool answers between turns, included
+            lengths = (ro.response_mask if ro.attention_mask is None else ro.attention_mask).sum(1)  # (B,) tool too
             truncated = cut_off(ro.responses, lengths, ro_cfg.max_response_length, self.rollout.eos_ids)  # (B,)
             scores = scores + r.overlong_penalty * truncated.float()
             if r.overlong_buffer_len:
@@ -299,7 +300,9 @@ def guards(t, recent_kl: list, entropy: Optional[float]) -> tuple[Optional[str],
 
 def check_names(cfg) -> None:
     """Each name that picks a function from a stage's table is in it: an unknown one fails here, before anything
-    loads, never silently picking another; an estimator that compares a prompt's samples has more than one."""
+    loads, never silently picking another; an estimator that compares a prompt's samples has more than one; and the
+    keys that only work together do (infra/config.check_combinations)."""
+    check_combinations(cfg)
     for key, name, table in (("algorithm.adv_estimator", cfg.algorithm.adv_estimator, advantages.ESTIMATORS),
                              ("actor.policy_loss", cfg.actor.policy_loss, POLICY_LOSSES),
                              ("algorithm.kl_penalty", cfg.algorithm.kl_penalty, kl.ESTIMATORS),
@@ -329,9 +332,16 @@ def policy_loss_mask(batch: dict, truncated, cfg) -> tuple[torch.Tensor, dict]:
     return loss_mask, metrics
 
 
+def check_inputs(cfg, needs_critic: bool) -> None:
+    """Before any model loads: the model folders (and the critic's, when there is one), the reward model or reward
+    function, and the loggers' packages."""
+    check_model_folders(cfg.model, (cfg.critic.model_path or cfg.model.path) if needs_critic else None)
+    check_reward_inputs(cfg.reward, cfg.model.trust_remote_code)
+    check_loggers(cfg.trainer.logger, "trainer.logger")
+
+
 def main(cfg: config.Config):
     check_names(cfg)
-    check_combinations(cfg)
     needs_critic = cfg.algorithm.adv_estimator in NEEDS_CRITIC
     accelerator = Accelerator(cpu=use_cpu())  # on a CPU, launched processes join over gloo
     print0 = functools.partial(accelerator.print, flush=True)  # rank 0 only; flushed even into a pipe
@@ -340,18 +350,16 @@ def main(cfg: config.Config):
                                             unused=frozenset() if needs_critic else frozenset({"critic.model_path"}))
     if finished:
         return None
-    check_model_folders(cfg.model, (cfg.critic.model_path or cfg.model.path) if needs_critic else None)
-    check_reward_inputs(cfg.reward)
-    check_loggers(cfg.trainer.logger, "trainer.logger")
+    check_inputs(cfg, needs_critic)
     set_seed(cfg.trainer.seed)
     t, alg, device = cfg.trainer, cfg.algorithm, accelerator.device
     dtype = autocast_dtype(cfg.model.dtype)
     fsdp = fsdp_from_launcher(dtype)  # FSDP2 settings of an accelerate config file, or None
-    tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path,
-                               "model.tokenizer_path" if cfg.model.tokenizer_path else "model.path")
+    tokenizer = policy_tokenizer(cfg.model)
 
     # ---- data: prompts tokenised once, sizes checked before any model is loaded
-    train_rows, val_rows = load_prompts(cfg.data, tokenizer, print0)
+    train_rows, val_rows = load_prompts(cfg.data, tokenizer, print0,  # a rule's rows must have a ground truth
+                                        rule_of=functools.partial(rule_needing_truth, cfg_reward=cfg.reward))
     sizes = check_sizes(cfg, accelerator.num_processes, len(train_rows))
     check_data_sources({r["data_source"] for r in train_rows + val_rows}, cfg.reward)  # each has a rule
     agent.check_multi_turn(cfg.rollout, tokenizer)  # multi-turn: the tools import, the template writes their answers
@@ -363,7 +371,9 @@ def main(cfg: config.Config):
     policy, ref, critic = load_models(cfg, accelerator, fsdp, fwd, with_critic=needs_critic)
     actor_opt, actor_sched = make_optimizer(policy, cfg.actor.optim, t.total_steps)
     critic_opt, critic_sched = make_optimizer(critic, cfg.critic.optim, t.total_steps) if critic else (None, None)
-    scorer = Scorer(cfg.reward, device, dtype)  # a reward model is replicated: it only runs forward passes
+    # SIGTERM or Ctrl-C from here on ends a step with a checkpoint (a hung reward call delays it ≤ reward.timeout_s)
+    stop_signal = StopSignal(verbose=accelerator.is_main_process)
+    scorer = Scorer(cfg.reward, device, dtype, trust_remote_code=cfg.model.trust_remote_code, stop=stop_signal)
 
     # ---- state, resume
     state = TrainState(KLController(alg.kl_ctrl.type, alg.kl_ctrl.kl_coef, alg.kl_ctrl.target_kl,
@@ -371,10 +381,8 @@ def main(cfg: config.Config):
     checkpointed = {"policy": (policy, actor_opt),  # {name: (model, optimiser)} saved beside state.json
                     **({"critic": (critic, critic_opt)} if critic is not None else {})}
     logger = resume(accelerator, cfg, resume_from, checkpointed, state)
-    engine = make_rollout(cfg, policy, tokenizer, accelerator, dtype, synced_forwards=fsdp is not None)
-    if isinstance(engine, HFRollout) and (alg.rollout_is, alg.rollout_rs) != ("off", "off"):  # vLLM failed to load
-        raise ConfigError("algorithm.rollout_is / rollout_rs need the sampler's logprobs: repair vLLM (see above)")
-    rollout = agent.with_tools(engine, cfg.rollout, tokenizer)  # turns with tool calls, when enabled
+    rollout = make_rollout(cfg, policy, tokenizer, accelerator, dtype, synced_forwards=fsdp is not None)
+    rollout = agent.with_tools(rollout, cfg.rollout, tokenizer)  # with rollout.multi_turn: tool calls between turns
     sample = Sampler(rollout, tokenizer, scorer, accelerator, cfg, sizes.prompts)  # steps 1–3
     reduce_sum = functools.partial(sum_over_processes, accelerator)
     max_tokens = cfg.actor.max_token_len_per_device if cfg.actor.use_dynamic_bsz else 0  # 0: micro-batches by count
@@ -393,26 +401,22 @@ def main(cfg: config.Config):
         metrics = validate(cfg, rollout, tokenizer, scorer, val_rows, accelerator)
         print0("validation before training: " + console_line(metrics, sorted(metrics)))
         logger.log(metrics, 0)
-    stop_reason, stop_signal = None, StopSignal(verbose=accelerator.is_main_process)
+    if signum := stop_signal.received(accelerator):
+        raise Interrupted(signum, "during the validation before training; nothing was trained")
+    stop_reason, skipped_in_a_row = None, 0
     bar = tqdm(range(state.step + 1, t.total_steps + 1), disable=not accelerator.is_main_process,
                desc="ppo", dynamic_ncols=True)
     for step in bar:
-        times, t0 = {}, time.perf_counter()
+        times, skipped_before, t0 = {}, state.skipped, time.perf_counter()
 
         # ---- 1–3. sample prompts, generate n responses each, score them (Sampler.batch); with algorithm.filter_groups
         # (DAPO's dynamic sampling) in rounds, until every process holds its share of prompts whose scores differ
         samples, metrics = sample.batch(state, train_rows, step, times)
         rows, texts, scores, truncated = samples.rows, samples.texts, samples.scores, samples.truncated  # (B,) each
-        queries, query_mask = left_pad([r["prompt_ids"] for r in rows], tokenizer.pad_token_id)  # (B, Tq)
-        response_mask = samples.response_mask  # (B, Tr)
-        real = response_mask if samples.attention_mask is None else samples.attention_mask  # (B, Tr) tool tokens too
-        lengths = real.sum(1)  # (B,) response tokens, the EOS (and with multi-turn the tool answers) included
-        tok_lengths = (query_mask.sum(1) + lengths).tolist()  # (B,) real tokens: micro-batches by token budget
-        batch = dict(queries=queries, query_mask=query_mask, responses=samples.responses, response_mask=response_mask)
-        if samples.attention_mask is not None:
-            batch["response_attention_mask"] = samples.attention_mask  # (B, Tr)
-        if samples.rollout_logprobs is not None:
-            batch["rollout_logprobs"] = samples.rollout_logprobs  # (B, Tr) the sampler's
+        batch = samples.as_batch(tokenizer.pad_token_id)  # queries, responses, their masks, rollout_logprobs
+        response_mask = batch["response_mask"]  # (B, Tr)
+        lengths = batch.get("response_attention_mask", response_mask).sum(1)  # (B,) tokens, EOS and tool answers too
+        tok_lengths = (batch["query_mask"].sum(1) + lengths).tolist()  # (B,) real tokens, for token budgets
 
         # ---- 4. old/ref logprobs and values: no grad, micro-batched, in eval mode (set_train_mode says why)
         set_train_mode([policy, critic], False)
@@ -490,9 +494,9 @@ def main(cfg: config.Config):
         metrics = reduce_metrics(accelerator, metrics)
         tokens = accelerator.reduce(torch.tensor(float(sum(tok_lengths)), device=device), "sum").item()
         times["time/step_s"] = time.perf_counter() - t0
-        metrics.update(times)
-        metrics["perf/tokens_per_s"] = tokens / times["time/step_s"]
-        metrics["train/skipped_steps"] = state.skipped
+        metrics.update({**times, "perf/tokens_per_s": tokens / times["time/step_s"],
+                        "train/skipped_steps": state.skipped})
+        skipped_in_a_row = skipped_in_a_row + 1 if state.skipped > skipped_before else 0
         state.step = step
 
         # ---- guards: a run that drifts too far from the reference, or collapses, is validated and stops
@@ -511,6 +515,8 @@ def main(cfg: config.Config):
         logger.log({**metrics, "train/rollbacks": state.rollbacks}, step)
         bar.set_postfix(score=f"{metrics['score/mean']:.3f}", kl=f"{metrics.get('kl/mean', 0):.4f}")
         print0(f"step {step}  " + console_line(metrics, CONSOLE_KEYS))
+        if t.max_skipped_steps and skipped_in_a_row >= t.max_skipped_steps:  # nothing learnt: no final/
+            raise skipped_steps_error(skipped_in_a_row, step, "trainer", t.output_dir)
         if t.sample_freq and step % t.sample_freq == 0:
             shown = list(range(0, B, max(1, B // t.num_samples_to_show)))[:t.num_samples_to_show]
             print0(sample_table([(rows[i]["prompt_text"][-40:], agent.transcript(rows[i], texts[i]), scores[i].item(),

@@ -51,7 +51,7 @@ from infra.distributed import distribute, fsdp_from_launcher, use_cpu
 from infra.metrics import check_loggers, console_line, MetricsLogger, wandb_resume_id
 from infra.models import check_model_path, load_reward_classifier, load_tokenizer, save_pretrained_atomic
 from infra.optim import make_optimizer, restore_schedule, train_step
-from infra.runs import resume_or_start, save_checkpoint, start_run, StopSignal
+from infra.runs import resume_or_start, save_checkpoint, skipped_steps_error, start_run, StopSignal
 from rollout import right_pad
 
 # ---------------------------------------------------------------------------------------
@@ -194,9 +194,9 @@ def save_final(hf_model, tokenizer, stats: dict, output_dir: str) -> None:
     """final/ = a plain sequence classifier (the adapter merged in) + tokenizer + reward_stats.json."""
     final = os.path.join(output_dir, "final")
     if hasattr(hf_model, "merge_and_unload"):
-        save_pretrained_atomic(hf_model, tokenizer, os.path.join(output_dir, "final_adapter"))
+        save_pretrained_atomic(hf_model, tokenizer, os.path.join(output_dir, "final_adapter"), overwrite=True)
         hf_model = hf_model.merge_and_unload()
-    save_pretrained_atomic(hf_model, tokenizer, final)
+    save_pretrained_atomic(hf_model, tokenizer, final, overwrite=True)  # this run's own folders
     with open(os.path.join(final, "reward_stats.json.tmp"), "w") as f:
         json.dump(stats, f)
     os.replace(os.path.join(final, "reward_stats.json.tmp"), os.path.join(final, "reward_stats.json"))
@@ -225,11 +225,12 @@ def main(cfg: config.RewardModelStage):
     lock, resume_from, finished = start_run(accelerator, cfg, "reward_model")  # the lock is held until the process ends
     if finished:
         return
-    check_model_path(rm.model_path, "reward_model.model_path")
-    check_model_path(rm.tokenizer_path or rm.model_path, "reward_model.tokenizer_path" if rm.tokenizer_path
-                     else "reward_model.model_path", need="tokenizer")
-    tokenizer = load_tokenizer(rm.tokenizer_path or rm.model_path,
-                               "reward_model.tokenizer_path" if rm.tokenizer_path else "reward_model.model_path")
+    tokenizer_key = "reward_model.tokenizer_path" if rm.tokenizer_path else "reward_model.model_path"
+    check_model_path(rm.model_path, "reward_model.model_path", trust_remote_code=rm.trust_remote_code)
+    check_model_path(rm.tokenizer_path or rm.model_path, tokenizer_key, need="tokenizer",
+                     trust_remote_code=rm.trust_remote_code)
+    tokenizer = load_tokenizer(rm.tokenizer_path or rm.model_path, tokenizer_key,
+                               trust_remote_code=rm.trust_remote_code)
     pad_id = tokenizer.pad_token_id
 
     # ---- data: pairs tokenised once, sizes checked before the model is loaded
@@ -250,7 +251,7 @@ def main(cfg: config.RewardModelStage):
            f"epochs; {local // micro} micro-batches of {micro} pairs per process")
 
     # ---- model, optimiser, state, resume
-    model = RewardModel(load_reward_classifier(rm.model_path, pad_id, lora=rm))
+    model = RewardModel(load_reward_classifier(rm.model_path, pad_id, lora=rm, trust_remote_code=rm.trust_remote_code))
     model = distribute(model, accelerator, None, trainable=True)  # DDP
     optimizer, scheduler = make_optimizer(model, rm.optim, rm.total_steps)
     model.train()
@@ -270,7 +271,7 @@ def main(cfg: config.RewardModelStage):
         sums = torch.stack([loss.sum(), (r_c > r_r).sum(), (r_c - r_r).sum(), r_c.sum(), r_r.sum()])
         return loss.sum() / local, {"sums": sums.detach()}
 
-    stop_signal = StopSignal(verbose=accelerator.is_main_process)
+    stop_signal, skipped_in_a_row = StopSignal(verbose=accelerator.is_main_process), 0
     bar = tqdm(range(start, rm.total_steps), initial=start, total=rm.total_steps,
                disable=not accelerator.is_main_process, dynamic_ncols=True)
     for step in bar:
@@ -285,6 +286,7 @@ def main(cfg: config.RewardModelStage):
         grad_norm, per_micro = train_step(model, optimizer, micro_batches, pair_loss, rm.max_grad_norm)
         if grad_norm is None:  # a non-finite loss or gradient: train_step left the weights as they were
             skipped += 1
+        skipped_in_a_row = skipped_in_a_row + 1 if grad_norm is None else 0
         scheduler.step()
 
         # ---- 4. metrics: sums over all processes, divided by the batch
@@ -305,6 +307,8 @@ def main(cfg: config.RewardModelStage):
         shown = ["rm/loss", "rm/accuracy", "rm/margin", "val/rm/accuracy",
                  *sorted(k for k in metrics if k.startswith("val/rm/accuracy/")), "lr", "time/step_s"]
         print0(f"step {step + 1}  " + console_line(metrics, shown))
+        if rm.max_skipped_steps and skipped_in_a_row >= rm.max_skipped_steps:  # nothing learnt: no final/
+            raise skipped_steps_error(skipped_in_a_row, step + 1, "reward_model", rm.output_dir)
 
         # ---- 7. checkpoint every save_freq steps and at the end; SIGTERM or Ctrl-C: also, then stop
         signum = stop_signal.received(accelerator)
@@ -344,18 +348,19 @@ class RewardModelScorer:
     """
 
     def __init__(self, path: str, micro_batch_size: int = 32, normalize: bool = False, clip=None,
-                 device="cpu", autocast_dtype=None):
+                 device="cpu", autocast_dtype=None, *, trust_remote_code: bool = False):
         from transformers import AutoConfig
 
         if not os.path.isdir(path):
             raise config.ConfigError(f"reward model folder {path} does not exist; train one with reward_model.py")
-        arch = (AutoConfig.from_pretrained(path).architectures or ["?"])[0]
+        arch = (AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).architectures or ["?"])[0]
         if not arch.endswith("ForSequenceClassification"):
             raise config.ConfigError(f"{path} holds a {arch}, not a reward model (…ForSequenceClassification); "
                                      f"point reward.model_path at the final/ folder written by reward_model.py")
-        self.tokenizer = load_tokenizer(path, "reward.model_path")
+        self.tokenizer = load_tokenizer(path, "reward.model_path", trust_remote_code=trust_remote_code)
         self.device = torch.device(device)
-        model = RewardModel(load_reward_classifier(path, self.tokenizer.pad_token_id))
+        model = RewardModel(load_reward_classifier(path, self.tokenizer.pad_token_id,
+                                                   trust_remote_code=trust_remote_code))
         self.model = model.to(self.device).eval().requires_grad_(False)
         self.micro_batch_size, self.clip, self.dtype, self.stats = micro_batch_size, clip, autocast_dtype, None
         if normalize:

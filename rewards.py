@@ -6,17 +6,17 @@ that a response scores exactly as in verl, and this library's own, more lenient 
 under their own names.
 verl's code, search-tool and image routes are not built in: check_data_sources stops such a run at start-up.
 
-A custom function is `reward.function=path/to/file.py:name` (the file is executed); verl reward files work
-unchanged, `async def` ones included. A function may return a number, or a dict with "score" and other numbers to log.
+A custom function is `reward.function=path/to/file.py:name`; verl reward files work unchanged, `async def` ones
+included. A function may return a number, or a dict with "score" and other numbers to log. It runs in a worker
+process of its own (infra/worker.py), each call limited to reward.timeout_s: a call that hangs, raises, calls
+sys.exit, or ends or kills the worker is an error for its sample (reward/errors), never the end of the run.
 """
 import asyncio
-import importlib.util
+import functools
 import inspect
 import math
 import numbers
 import os
-import re
-import sys
 import warnings
 from collections import Counter
 
@@ -27,6 +27,8 @@ from agent import with_conversations
 from infra.config import ConfigError
 from infra.metrics import reduce_metrics, sum_over_processes
 from infra.models import check_model_path
+from infra.runs import Interrupted
+from infra.worker import CallFailed, FunctionWorker, WorkerStartError
 from judge import check_judge, Judge
 from reward_rules import verl_prime_math, verl_rules
 from reward_rules.library import arithmetic_score, boxed_score, gsm8k_score
@@ -60,6 +62,15 @@ def rule_for(data_source):
     return verl_rules.dapo if isinstance(data_source, str) and data_source.startswith("aime") else None
 
 
+def rule_needing_truth(data_source, cfg_reward):
+    """For data.py's check at start-up: the name of the built-in rule that will compare data_source's responses with
+    their ground truth, or None (reward.type=model: no rule; a custom reward.function: it may need none)."""
+    if cfg_reward.type == "model" or cfg_reward.function:
+        return None
+    rule = rule_for(data_source)
+    return None if rule is None else f"{rule.__module__.split('.')[-1]}.{rule.__name__}"
+
+
 def default_compute_score(data_source, solution_str, ground_truth, extra_info=None, sandbox_fusion_url=None,
                           concurrent_semaphore=None, memory_limit_mb=None, **kwargs):
     """verl's default_compute_score: the rule for data_source gives what verl's gives (a float, or DAPO's
@@ -87,22 +98,26 @@ def check_data_sources(sources, reward_cfg) -> None:
                           f"reward.function=path/to/file.py:compute_score (built in: {KNOWN})")
 
 
-def check_reward_inputs(cfg_reward) -> None:
-    """Before any model loads: the reward model folder, the reward function and the judge the run will use."""
+def check_reward_inputs(cfg_reward, trust_remote_code: bool = False) -> None:
+    """Before any model loads: the reward model folder, the reward function the run will use (imported once in a
+    worker, which then stops) and the judge."""
     if cfg_reward.type in ("model", "both"):
         if not cfg_reward.model_path:
             raise ConfigError(f"reward.type={cfg_reward.type} needs reward.model_path (the final/ folder "
                               f"written by reward_model.py)")
-        check_model_path(cfg_reward.model_path, "reward.model_path")
+        check_model_path(cfg_reward.model_path, "reward.model_path", trust_remote_code=trust_remote_code)
     if cfg_reward.type in ("rule", "both", "rule+judge"):
-        load_reward_function(cfg_reward.function)
+        fn = load_reward_function(cfg_reward.function, cfg_reward.timeout_s)
+        if isinstance(fn, FunctionWorker):
+            fn.close()
     if cfg_reward.type in ("judge", "rule+judge"):
         check_judge(cfg_reward.judge)
 
 
-def load_reward_function(spec):
-    """None → default_compute_score; "path/to/file.py:name" (name defaults to compute_score, as in verl)
-    → that function, imported from the file."""
+def load_reward_function(spec, timeout_s: float, stop=None):
+    """None → default_compute_score, called in this process; "path/to/file.py:name" (name defaults to
+    compute_score, as in verl) → a FunctionWorker running that function, each call limited to timeout_s (`stop`:
+    runs.StopSignal, so that a preempted run does not wait for a hung call longer than that)."""
     if not spec:
         return default_compute_score
     path, sep, name = spec.rpartition(":")
@@ -110,19 +125,10 @@ def load_reward_function(spec):
         path, name = spec, "compute_score"
     if not os.path.isfile(path):
         raise ConfigError(f"reward.function: file {path} does not exist (expected path/to/file.py:function_name)")
-    module_name = "custom_reward_" + re.sub(r"\W", "_", os.path.splitext(os.path.abspath(path))[0])
-    module_spec = importlib.util.spec_from_file_location(module_name, path)
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_name] = module  # so pickling the function (e.g. to worker processes) finds it
     try:
-        module_spec.loader.exec_module(module)
-    except Exception as e:
-        raise ConfigError(f"reward.function: importing {path} failed: {type(e).__name__}: {e}") from e
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
-        raise ConfigError(f"reward.function: {path} has no function `{name}`; callables found there: {found}")
-    return fn
+        return FunctionWorker(path, name, timeout_s, stop)
+    except WorkerStartError as e:
+        raise ConfigError(f"reward.function: {e}") from None
 
 
 class RewardError(ConfigError):
@@ -130,7 +136,8 @@ class RewardError(ConfigError):
 
 
 def as_score(result) -> tuple[float, dict]:
-    """(score, extra numbers) from a function's return: a finite number, or a dict whose "score" is one."""
+    """(score, extras) from a function's return: a finite number, or a dict whose "score" is one; extras are its other
+    numbers, and its "pred" as text where it has one (verl's DAPO rule: the answer it read, for maj@k)."""
     if isinstance(result, BaseException):  # raised inside an async function, returned by asyncio.gather
         raise result
     extras = {}
@@ -138,6 +145,7 @@ def as_score(result) -> tuple[float, dict]:
         if "score" not in result:
             raise ValueError(f"a reward dict must carry 'score', got keys {sorted(result)}")
         extras = {k: float(v) for k, v in result.items() if k != "score" and isinstance(v, numbers.Real)}
+        extras.update({"pred": str(result["pred"])} if "pred" in result else {})
         result = result["score"]
     if isinstance(result, (str, bytes)) or result is None:
         raise TypeError(f"a reward function must return a number or a dict, got {result!r}")
@@ -169,9 +177,10 @@ def call_all(compute_score, calls: list[dict]) -> list:
 
 def score_responses(compute_score, rows: list[dict], responses: list[str]) -> tuple[list[float], dict, int]:
     """Score each (row, response) with compute_score(data_source=, solution_str=, ground_truth=, extra_info=),
-    by keyword as verl calls it; returns (scores, extras: each extra numeric dict key's values, errors).
-    A call that raises or returns something unusable (None, a string, a dict without "score", NaN, inf) scores 0.0
-    and counts as an error, warned once; when every call fails, RewardError stops the run rather than train on zeros.
+    by keyword as verl calls it (a function here, or a FunctionWorker's in its process); returns (scores, extras:
+    each extra numeric dict key's values, errors). A call that raises, times out, ends its worker or returns something
+    unusable (None, a string, a dict without "score", NaN, inf) scores 0.0 and counts as an error, warned once; when
+    every call fails, RewardError stops the run rather than train on zeros.
     """
     if len(rows) != len(responses):
         raise ValueError(f"score_responses got {len(rows)} rows but {len(responses)} responses")
@@ -184,12 +193,14 @@ def score_responses(compute_score, rows: list[dict], responses: list[str]) -> tu
                               "rollout_reward_scores": {}})
              for row, response in zip(rows, responses)]
     scores, extras, errors, first = [], {}, 0, None
-    for result in call_all(compute_score, calls):
+    results = compute_score.call_all(calls) if isinstance(compute_score, FunctionWorker) else call_all(compute_score,
+                                                                                                        calls)
+    for result in results:
         try:
             score, more = as_score(result)
         except Exception as e:
             score, more, errors = 0.0, {}, errors + 1
-            first = first or f"{type(e).__name__}: {e}"
+            first = first or (str(e) if isinstance(e, CallFailed) else f"{type(e).__name__}: {e}")
         scores.append(score)
         for key, value in more.items():
             extras.setdefault(key, []).append(value)
@@ -203,14 +214,22 @@ def score_responses(compute_score, rows: list[dict], responses: list[str]) -> tu
 
 def score_on_every_process(scorer, rows: list[dict], texts: list[str], accelerator):
     """scorer(rows, texts) → (scores, metrics), on all processes together: when the reward fails on every sample of
-    any process's batch (RewardError), every process raises it, with the failing process's message. Raised on
-    that process alone, it would leave the others waiting for it at their next collective."""
-    error = None
+    any process's batch (RewardError), every process raises it, with the failing process's message; when a stop
+    signal could not wait for a reward call on any process (runs.Interrupted), every process raises that. Raised
+    on that process alone, either would leave the others waiting for it at their next collective."""
+    error, interrupted = None, None
     try:
         scores, metrics = scorer(rows, texts)
     except RewardError as e:
         scores, metrics, error = None, {}, str(e)
-    if accelerator.reduce(torch.tensor(float(error is not None), device=accelerator.device), "max").item():
+    except Interrupted as e:
+        scores, metrics, interrupted = None, {}, e
+    flags = torch.tensor([float(error is not None), float(interrupted.signum if interrupted else 0)])
+    failed, signum = accelerator.reduce(flags.to(accelerator.device), "max").tolist()
+    if signum:
+        raise interrupted or Interrupted(int(signum), "while a reward call of another process was still running; "
+                                                      "this step is not saved, the last checkpoint is kept")
+    if failed:
         raise RewardError(next(message for message in gather_object([error]) if message))
     return scores, metrics
 
@@ -219,28 +238,34 @@ class Scorer:
     """The task score of each response: a rule function, a reward model, an LLM judge (judge.py), or a weighted sum
     of the rule and one of the others (reward.type)."""
 
-    def __init__(self, cfg_reward, device, dtype):
+    def __init__(self, cfg_reward, device, dtype, *, trust_remote_code: bool = False, stop=None):
+        """`trust_remote_code`: model.trust_remote_code, for the reward model's folder; `stop`: runs.StopSignal, which
+        a hung custom reward call then holds up for at most reward.timeout_s."""
         self.cfg, self.rule_fn, self.model, self.judge, self.task_rule = cfg_reward, None, None, None, None
         self.judge_answers = []  # the judge's raw answer to each response of the last call, for the sample table
         if cfg_reward.type in ("rule", "both", "rule+judge"):
-            self.rule_fn = load_reward_function(cfg_reward.function)
+            self.rule_fn = load_reward_function(cfg_reward.function, cfg_reward.timeout_s, stop)
         if cfg_reward.type in ("model", "both"):
             self.model = RewardModelScorer(cfg_reward.model_path, cfg_reward.micro_batch_size, cfg_reward.normalize,
-                                           cfg_reward.clip, device, dtype)
+                                           cfg_reward.clip, device, dtype, trust_remote_code=trust_remote_code)
         if cfg_reward.type in ("judge", "rule+judge"):
             self.judge = Judge(cfg_reward.judge)
         if cfg_reward.type != "rule":
             # the task's rule on the same answers (val/rule_score/mean): does what the reward model or judge like score?
-            self.task_rule = self.rule_fn or load_reward_function(cfg_reward.function)
+            self.task_rule = self.rule_fn or load_reward_function(cfg_reward.function, cfg_reward.timeout_s, stop)
 
-    def __call__(self, rows: list[dict], texts: list[str]):
-        """rows (with prompt, ground_truth, data_source, extra_info) and decoded responses → scores (B,), metrics."""
+    def __call__(self, rows: list[dict], texts: list[str], with_answers: bool = False):
+        """rows (with prompt, ground_truth, data_source, extra_info) and decoded responses → scores (B,), metrics; with
+        with_answers, metrics["answers"] too: each response's answer as the rule read it ("pred"), else None."""
         weighted, metrics, scores = self.cfg.type in ("both", "rule+judge"), {}, torch.zeros(len(texts))
         if self.rule_fn is not None:
             rule, extras, errors = score_responses(self.rule_fn, rows, texts)
             scores += (self.cfg.rule_weight if weighted else 1.0) * torch.tensor(rule, dtype=torch.float32)
             metrics["reward/errors"] = float(errors)
-            metrics.update({f"reward/{k}": sum(v) / len(v) for k, v in extras.items() if v})
+            metrics.update({f"reward/{k}": sum(v) / len(v) for k, v in extras.items() if v and k != "pred"})
+            if with_answers:
+                answers = extras.get("pred", [])
+                metrics["answers"] = answers if len(answers) == len(rows) else [None] * len(rows)
         if self.model is not None:
             model_scores = self.model.score([r["prompt"] for r in rows], texts).float().cpu()
             scores += (self.cfg.model_weight if weighted else 1.0) * model_scores
@@ -264,7 +289,7 @@ class Scorer:
         being one prompt's k samples: val/score/mean and val/<data_source>/score, the mean score (mean@k); with k > 1
         and a rule reward, pass@j and maj@k (pass_and_majority); with a reward model or a judge, val/rule_score/mean:
         the task's rule on the same answers, over the rows with a ground truth and a rule."""
-        scores, _ = score_on_every_process(self, rows, texts, accelerator)
+        scores, scored = score_on_every_process(functools.partial(self, with_answers=True), rows, texts, accelerator)
         sums = torch.zeros(len(sources), 2)  # (sum of scores, count) per data_source
         for row, score in zip(rows, scores.tolist()):
             sums[sources.index(row["data_source"])] += torch.tensor([score, 1.0])
@@ -272,7 +297,7 @@ class Scorer:
         metrics = {"val/score/mean": (sums[:, 0].sum() / sums[:, 1].sum()).item()}
         metrics.update({f"val/{src}/score": (s / max(c, 1)).item() for src, (s, c) in zip(sources, sums)})
         if k > 1 and self.cfg.type == "rule":
-            metrics.update(pass_and_majority(rows, scores.tolist(), self.answers(rows, texts), sources, k, accelerator))
+            metrics.update(pass_and_majority(rows, scores.tolist(), scored["answers"], sources, k, accelerator))
         if self.task_rule is not None:
             ruled = [(row, text) for row, text in zip(rows, texts)
                      if row["ground_truth"] is not None and (self.cfg.function or rule_for(row["data_source"]))]
@@ -282,21 +307,6 @@ class Scorer:
             if count:
                 metrics["val/rule_score/mean"] = total / count
         return metrics
-
-    def answers(self, rows: list[dict], texts: list[str]) -> list:
-        """The answer the rule read from each response: the "pred" of a dict it returns (verl's DAPO rule does), else
-        None. Validation only: the rule runs again here, in this process."""
-        if self.rule_fn is None or inspect.iscoroutinefunction(self.rule_fn):
-            return [None] * len(rows)
-        answers = []
-        for row, text in zip(rows, texts):
-            try:
-                result = self.rule_fn(data_source=row["data_source"], solution_str=text,
-                                      ground_truth=row["ground_truth"], extra_info=row.get("extra_info") or {})
-            except Exception:
-                result = None
-            answers.append(str(result["pred"]) if isinstance(result, dict) and "pred" in result else None)
-        return answers
 
 
 # ---- validation: k samples per prompt

@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 
 from infra.batches import autocast_dtype
+from infra.config import ConfigError
 from infra.distributed import max_over_processes, whole
 
 
@@ -47,6 +48,17 @@ class Samples:
     scores: torch.Tensor  # (B,) the task scores, length shaping included
     truncated: torch.Tensor  # (B,) bool: cut off at rollout.max_response_length without EOS
     attention_mask: Optional[torch.Tensor] = None  # (B, Tr) multi-turn: 1 on the tool answers too (Rollout's)
+
+    def as_batch(self, pad_id: int) -> dict:
+        """ppo.py's batch of step 2: queries and query_mask (B, Tq), left-padded; responses, response_mask and, where
+        the sampler gave them, rollout_logprobs (B, Tr); with multi-turn response_attention_mask (B, Tr)."""
+        queries, query_mask = left_pad([row["prompt_ids"] for row in self.rows], pad_id)  # (B, Tq)
+        batch = dict(queries=queries, query_mask=query_mask, responses=self.responses, response_mask=self.response_mask)
+        if self.rollout_logprobs is not None:
+            batch["rollout_logprobs"] = self.rollout_logprobs
+        if self.attention_mask is not None:  # multi-turn: the tool answers, which the forwards attend to
+            batch["response_attention_mask"] = self.attention_mask
+        return batch
 
     def take(self, rows: list[int]) -> "Samples":
         return Samples(*[None if v is None else [v[i] for i in rows] if isinstance(v, list) else v[rows]
@@ -253,7 +265,8 @@ class VLLMRollout:
         self.llm = LLM(model=cfg.model.path, tokenizer=cfg.model.tokenizer_path or cfg.model.path,
                        dtype=self.dtype, seed=cfg.trainer.seed, enforce_eager=cfg.rollout.enforce_eager,
                        max_model_len=max_len, enable_prefix_caching=True, logprobs_mode="processed_logprobs",
-                       enable_sleep_mode=self.sleeps, distributed_executor_backend=backend, **memory)
+                       enable_sleep_mode=self.sleeps, distributed_executor_backend=backend,
+                       trust_remote_code=cfg.model.trust_remote_code, **memory)
         self.asleep = set()  # the parts of a sleeping engine: "weights", "kv_cache"
         self.stale_prefix_cache = False
         self.sync_weights(model)
@@ -338,6 +351,9 @@ def make_rollout(cfg, model, tokenizer, accelerator, autocast_dtype=None, synced
         try:
             import vllm  # noqa: F401
         except ImportError as e:
+            if (cfg.algorithm.rollout_is, cfg.algorithm.rollout_rs) != ("off", "off"):
+                raise ConfigError(f"algorithm.rollout_is / rollout_rs need the sampler's logprobs, and vLLM cannot be "
+                                  f"imported ({e}): repair vLLM, or turn both off") from None
             if accelerator.is_main_process:
                 print(f"warning: rollout.name=vllm but vLLM cannot be imported ({e}); using rollout.name=hf")
             name = "hf"

@@ -10,6 +10,8 @@ import dataclasses
 import difflib
 import math
 import os
+import reprlib
+import signal
 import sys
 import textwrap
 import types
@@ -20,7 +22,53 @@ import torch
 import yaml
 
 from infra import config
-from infra.config import Config, ConfigError, FIXED_ON_RESUME, RANGE_OF, RewardModelStage
+from infra.config import Config, ConfigError, FIXED_ON_RESUME, LENGTH_OF, RANGE_OF, RewardModelStage
+
+def shown(value) -> str:
+    """repr(value) in at most 300 characters, built without expanding the rest: how an error quotes a value."""
+    short = reprlib.Repr()  # Python 3.11's takes no arguments
+    short.maxlevel, short.maxstring, short.maxother = 3, 160, 160
+    short.maxdict = short.maxlist = short.maxtuple = short.maxset = 6
+    return short.repr(value)[:300]
+
+
+class StrictYAMLError(yaml.YAMLError):
+    """A key given twice in one mapping, or an alias; `line` is where (1-based)."""
+
+    def __init__(self, line: int, message: str):
+        super().__init__(message)
+        self.line = line
+
+
+class StrictLoader(yaml.SafeLoader):
+    """yaml.safe_load, stricter. PyYAML keeps the last of two equal keys, so a second `trainer:` block silently
+    replaces the first; and it expands aliases (*name) without bound, so a few lines can ask for gigabytes (the
+    "billion laughs"). Both are refused here: a config file spells out every value once."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise StrictYAMLError(event.start_mark.line + 1, f"`*{event.anchor}` is a YAML alias, which config "
+                                                             f"files may not use; write the value out")
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        first = {}  # key → the line it first appears on
+        for key_node, _ in node.value:
+            key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1
+            if not isinstance(key, (str, int, float, bool)):
+                continue  # an unhashable key: SafeLoader's own error names it
+            if key in first:
+                name = key[:80] if isinstance(key, str) else shown(key)
+                raise StrictYAMLError(line, f"`{name}` is given twice in the same section (first on line "
+                                            f"{first[key]}); keep one")
+            first[key] = line
+        return super().construct_mapping(node, deep)
+
+
+def strict_yaml(text):
+    """The YAML value of `text` (a string or an open file), read by StrictLoader."""
+    return yaml.load(text, Loader=StrictLoader)
 
 
 def all_keys(cls, prefix="") -> list[str]:
@@ -48,19 +96,22 @@ def _coerce(value, tp, key: str):
         return _coerce(value, [a for a in args if a is not type(None)][0], key)
     if origin is Literal:
         if value not in args:
-            raise ConfigError(f"config key `{key}` must be one of {list(args)}, got {value!r}")
+            raise ConfigError(f"config key `{key}` must be one of {list(args)}, got {shown(value)}")
         return value
     if origin is list:
         if isinstance(value, str):  # from the CLI: a,b,c  or  [a, b, c]
-            value = yaml.safe_load(value) if value.startswith("[") else value.split(",")
+            try:
+                value = strict_yaml(value) if value.startswith("[") else value.split(",")
+            except yaml.YAMLError as e:
+                raise ConfigError(f"config key `{key}`: {shown(value)} is not a YAML list ({e})") from None
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"config key `{key}` must be a list, got {value!r}")
+            raise ConfigError(f"config key `{key}` must be a list, got {shown(value)}")
         return [_coerce(v, args[0], key) for v in value]
     if tp is bool:
         if isinstance(value, str) and value.lower() in ("true", "false"):
             return value.lower() == "true"
         if not isinstance(value, bool):
-            raise ConfigError(f"config key `{key}` must be true or false, got {value!r}")
+            raise ConfigError(f"config key `{key}` must be true or false, got {shown(value)}")
         return value
     if tp in (int, float):
         try:
@@ -68,7 +119,8 @@ def _coerce(value, tp, key: str):
         except (TypeError, ValueError):
             number = None
         if number is None or (tp is int and isinstance(value, float) and value != int(value)):
-            raise ConfigError(f"config key `{key}` must be {'an integer' if tp is int else 'a number'}, got {value!r}")
+            raise ConfigError(f"config key `{key}` must be {'an integer' if tp is int else 'a number'}, "
+                              f"got {shown(value)}")
         return number
     if tp is str:
         return str(value)
@@ -81,7 +133,7 @@ def _build(cls, values: dict, prefix: str, root, default=None):
     of its keys a file or an override sets."""
     default = cls() if default is None else default
     if not isinstance(values, dict):
-        raise ConfigError(f"config section `{prefix.rstrip('.') or '(top)'}` must be a mapping, got {values!r}")
+        raise ConfigError(f"config section `{prefix.rstrip('.') or '(top)'}` must be a mapping, got {shown(values)}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     kwargs = {}
@@ -105,7 +157,8 @@ def _set_dotted(tree: dict, key: str, value: str, root):
         if node.get(part) is None:
             node[part] = {}
         elif not isinstance(node[part], dict):
-            raise ConfigError(f"config section `{key.rsplit('.', 1)[0]}` must be a mapping, got {node[part]!r}")
+            raise ConfigError(f"config section `{key.rsplit('.', 1)[0]}` must be a mapping, got "
+                              f"{shown(node[part])}")
         cls, node = tp, node[part]
     if parts[-1] not in {f.name for f in dataclasses.fields(cls)}:
         raise _unknown(key, root)
@@ -118,18 +171,20 @@ def load_config(path: Optional[str] = None, overrides: tuple = (), root=Config):
     if path is not None:
         try:
             with open(path) as f:
-                tree = yaml.safe_load(f)
+                tree = strict_yaml(f)
         except FileNotFoundError:
             raise ConfigError(f"config file {path} does not exist") from None
         except (OSError, UnicodeDecodeError) as e:
             raise ConfigError(f"config file {path} cannot be read: {getattr(e, 'strerror', None) or e}") from None
+        except StrictYAMLError as e:
+            raise ConfigError(f"config file {path} line {e.line}: {e}") from None
         except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path} is not valid YAML: {' '.join(str(e).split())}") from None
+            raise ConfigError(f"config file {path} is not valid YAML: {' '.join(str(e).split())[:300]}") from None
         if tree is None:
             tree = {}
         elif not isinstance(tree, dict):
             raise ConfigError(f"config file {path} must hold a mapping of sections (model:, data:, …), "
-                              f"got {tree!r:.80}")
+                              f"got {shown(tree)[:80]}")
     other = {f.name for r in (Config, RewardModelStage) if r is not root for f in dataclasses.fields(r)}
     tree = {k: v for k, v in tree.items() if k not in other}  # configs.yaml holds both entry points' sections
     for item in overrides:
@@ -149,12 +204,16 @@ def in_interval(x: float, interval: str) -> bool:
 
 
 def check_ranges(cfg, prefix: str = "") -> None:
-    """Every number of the config (nested sections included) inside its RANGES interval, or a ConfigError."""
+    """Every number of the config (nested sections included) inside its RANGES interval, and every list of a
+    fixed length (LENGTH_OF) of that length, or a ConfigError."""
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
         if dataclasses.is_dataclass(value):
             check_ranges(value, prefix + f.name + ".")
             continue
+        if f.name in LENGTH_OF and len(value) != LENGTH_OF[f.name]:
+            raise ConfigError(f"config key `{prefix + f.name}` must hold {LENGTH_OF[f.name]} values, got "
+                              f"{len(value)}: {shown(value)}")
         interval = RANGE_OF.get(f.name, "[0, inf)")
         for x in value if isinstance(value, list) else [value]:
             if isinstance(x, (int, float)) and not isinstance(x, bool) and not (
@@ -253,14 +312,14 @@ def resume_changes(cfg, saved_path: str, unused: frozenset = frozenset()) -> lis
     may change, a ConfigError for one in FIXED_ON_RESUME that the run uses (`unused`: keys it does not, e.g. the
     critic's backbone in a run without a critic). A key the saved file lacks (an older version) is skipped."""
     with open(saved_path) as f:
-        saved = flatten(yaml.safe_load(f) or {})
+        saved = flatten(strict_yaml(f) or {})
     now = flatten(to_dict(cfg))
     changed = [k for k, v in now.items() if k in saved and saved[k] != v]
     for key in changed:
         if key in FIXED_ON_RESUME - unused:
-            raise ConfigError(f"`{key}` cannot change on resume (it was {saved[key]!r} in {saved_path}, now "
-                              f"{now[key]!r}): set it back, or start a new run in another output_dir")
-    return [f"{k} {saved[k]!r} → {now[k]!r}" for k in changed]
+            raise ConfigError(f"`{key}` cannot change on resume (it was {shown(saved[key])} in {saved_path}, now "
+                              f"{shown(now[key])}): set it back, or start a new run in another output_dir")
+    return [f"{k} {shown(saved[k])} → {shown(now[k])}" for k in changed]
 
 
 def save(cfg, path: str) -> None:
@@ -271,17 +330,19 @@ def save(cfg, path: str) -> None:
 
 def run_script(main, doc: str, root, name: str) -> None:
     """`accelerate launch <name> --config FILE key=value …` → main(config). A user's mistake (a ConfigError,
-    data.DataError among them) ends the run in one sentence, printed once, by rank 0; Ctrl-C while loading ends it quietly (130).
+    data.DataError among them) ends the run in one sentence, printed once, by rank 0; Ctrl-C while loading ends it
+    quietly (130), a stop signal that could not wait for the end of a step (runs.Interrupted) with its sentence and
+    128 + signum.
     A finished multi-process CPU run leaves without the interpreter's teardown (see the end)."""
     rank0 = os.environ.get("RANK", "0") == "0"
     try:
         main(parse_args(sys.argv[1:], doc, root))
     except ConfigError as e:
         sys.exit(f"{name}: {e}" if rank0 else 1)
-    except KeyboardInterrupt:  # Ctrl-C while loading, or a second signal while training
+    except KeyboardInterrupt as e:  # Ctrl-C while loading, or runs.Interrupted: a stop that could not wait
         if rank0:
-            print(f"{name}: interrupted; the last checkpoint is kept", file=sys.stderr)
-        sys.exit(130)
+            print(f"{name}: {str(e) or 'interrupted; the last checkpoint is kept'}", file=sys.stderr)
+        sys.exit(128 + getattr(e, "signum", signal.SIGINT))
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available():
         # Done, and every process has passed the last barrier. Under FSDP2, torch keeps the gloo process group
         # alive after destroy_process_group (its device mesh stays referenced), so its threads would still run

@@ -6,6 +6,7 @@ comment); cli.py reads a YAML file and dotted overrides into them and checks eve
 the batch sizes ppo.py derives (check_sizes) and the settings that cannot work together (check_combinations).
 """
 import importlib.util
+import re
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
@@ -26,7 +27,15 @@ class LoRAFields:
 
 
 @dataclass
-class ModelConfig(LoRAFields):
+class ModelFolderFields:
+    trust_remote_code: bool = False
+    """run Python code that a model folder ships (an `auto_map` in its config.json or tokenizer_config.json) when
+    loading its model, tokenizer or config (ppo.py: policy, reference, critic and reward model; reward_model.py:
+    the backbone). false: a folder that needs such code is refused, in one sentence, before anything loads"""
+
+
+@dataclass
+class ModelConfig(LoRAFields, ModelFolderFields):
     path: str = "models/SmolLM2-135M-Instruct"
     """policy checkpoint: a local folder or a hub id (the demo model is made by tools/prepare_model.py)"""
     tokenizer_path: Optional[str] = None
@@ -37,7 +46,7 @@ class ModelConfig(LoRAFields):
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory"""
     use_remove_padding: bool = False
-    """pack training forwards into one row without padding, each distinct prompt once (batches.packed_inputs)"""
+    """pack training forwards into one row without padding, each distinct prompt once (layouts.packed_inputs)"""
     share_prompt_prefix: bool = True
     """without packing: run each distinct prompt of a micro-batch once and let its n responses attend to
     its KV cache (policy, reference and critic forwards; not with gradient checkpointing or FSDP)"""
@@ -77,7 +86,7 @@ class MultiTurnConfig:
     format: str = "hermes"
     """how a call is written, a name in agent.PARSERS: hermes (<tool_call>{"name": …, "arguments": {…}}</tool_call>,
     as Qwen2.5 and verl) or tag (<name>text</name>: the function gets the text)"""
-    tool_timeout: float = 5.0
+    tool_timeout_s: float = 5.0
     """seconds a tool call may take; a slower one is answered with an error (its thread is left behind)"""
     max_tool_response_length: int = 256
     """characters of a tool's answer the model sees (verl's key); the rest is cut and marked ...(truncated)"""
@@ -290,11 +299,12 @@ class JudgeConfig:
     """the judge's sampling temperature"""
     max_concurrency: int = 8
     """requests in flight at once"""
-    timeout: float = 30.0
+    timeout_s: float = 30.0
     """seconds one request may take before it is retried"""
     max_retries: int = 2
-    """retries of a request that timed out, could not connect or got a 429/5xx, after backoff, 2·backoff, … s"""
-    backoff: float = 1.0
+    """retries of a request that timed out, could not connect or got a 429/5xx, after backoff_s, 2·backoff_s, …
+    seconds"""
+    backoff_s: float = 1.0
     """seconds before the first retry"""
     weight: float = 1.0
     """weight of the judge's score when type=rule+judge"""
@@ -329,6 +339,9 @@ class RewardConfig:
     """the soft punishment at a response of rollout.max_response_length tokens"""
     overlong_filter: bool = False
     """DAPO's overlong filtering: responses cut off at max_response_length (no EOS) are left out of the policy loss"""
+    timeout_s: float = 30.0
+    """seconds one call of a custom reward.function may take: it runs in a worker process, which is restarted after
+    a call that hangs, exits or kills it; such a call is an error for its sample (reward/errors)"""
     judge: JudgeConfig = field(default_factory=JudgeConfig)
     """the LLM judge (reward.type=judge or rule+judge)"""
 
@@ -352,7 +365,10 @@ class RunFields:
     keep_checkpoints: int = 2
     """keep the last N step_* checkpoints"""
     resume: str = "auto"
-    """auto (latest checkpoint in output_dir), off, or a checkpoint path"""
+    """auto (the newest intact checkpoint in output_dir), off, or a checkpoint path"""
+    max_skipped_steps: int = 3
+    """stop, without writing final/, when this many steps in a row skipped an optimiser step for a non-finite loss
+    or gradient: the model is not learning (0 = never stop)"""
 
 
 @dataclass
@@ -408,7 +424,7 @@ class Config:
 
 
 @dataclass
-class RewardModelConfig(LoRAFields, RunFields):
+class RewardModelConfig(LoRAFields, RunFields, ModelFolderFields):
     model_path: str = "models/SmolLM2-135M-Instruct"
     """backbone for the Bradley-Terry reward model: a causal LM folder (a 1-output `score` head is added)"""
     tokenizer_path: Optional[str] = None
@@ -463,6 +479,24 @@ class RewardModelStage:
 
 class ConfigError(ValueError):
     pass
+
+
+class SaveError(ConfigError):
+    """A file of the run could not be written (disk full, permissions); the message names the folder and what was
+    kept."""
+
+
+def write_error(e: BaseException) -> str:
+    """Why a write failed, in a few words: the OS's reason (No space left on device, Permission denied …), also
+    from inside safetensors' error ("… I/O error: No space left on device (os error 28)") or torch's checkpoint
+    writer (a CheckpointException holding each process's error)."""
+    failures = getattr(e, "failures", None)  # torch.distributed.checkpoint.api.CheckpointException
+    if failures:
+        e = next(iter(failures.values()))[0]
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    found = re.search(r"I/O error: ([^(]+)", str(e))
+    return found.group(1).strip() if found else str(e)[:200]
 
 
 def exact_div(a: int, b: int, what: str) -> int:
@@ -536,7 +570,7 @@ RANGES = {
                 "ppo_epochs ppo_mini_batch_size ppo_micro_batch_size_per_device log_prob_micro_batch_size_per_device "
                 "max_token_len_per_device horizon total_steps max_kl_window batch_size micro_batch_size_per_device "
                 "max_length lora_alpha max_turns max_tool_response_length max_tokens max_concurrency",
-    "(0, inf)": "lr target_kl max_grad_norm rollout_is_threshold rollout_rs_threshold clip tool_timeout timeout",
+    "(0, inf)": "lr target_kl max_grad_norm rollout_is_threshold rollout_rs_threshold clip timeout_s tool_timeout_s",
     "(0, 1]": "top_p gpu_memory_utilization",
     "[0, 1)": "lora_dropout betas",
     "[0, 1]": "gamma lam warmup_ratio min_lr_ratio clip_ratio_low",
@@ -545,6 +579,8 @@ RANGES = {
     "(-inf, inf)": "rule_weight model_weight overlong_penalty min_score max_score weight",
 }
 RANGE_OF = {name: interval for interval, names in RANGES.items() for name in names.split()}
+# List keys whose length is fixed, by field name: AdamW takes exactly two betas.
+LENGTH_OF = {"betas": 2}
 
 
 # Keys a resumed run must share with the run that wrote the checkpoint: they shape the saved weights (model,

@@ -24,7 +24,9 @@ from typing import Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors import SafetensorError
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict, StateDictOptions)
 from torch.distributed.device_mesh import init_device_mesh
@@ -220,11 +222,36 @@ def save_training_state(path: str, models: dict, state: dict) -> None:
             json.dump(state, f, indent=1)
 
 
+def check_tensor_files(path: str) -> None:
+    """Each safetensors file of the checkpoint `path` opens (its header is whole and covers the file), or a
+    ConfigError naming it: torch's reader would log a traceback and raise `AssertionError: metadata is None`.
+    (runs.checkpoint_problem checks the sizes and checksums first; this also covers checkpoints without them.)"""
+    from safetensors import safe_open
+
+    folder = os.path.join(path, "tensors")
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        if name.endswith(".safetensors"):
+            try:
+                with safe_open(os.path.join(folder, name), framework="pt"):
+                    pass
+            except (SafetensorError, OSError) as e:
+                raise ConfigError(f"the checkpoint {path} cannot be read: {folder}/{name} is damaged ({e}); resume "
+                                  f"from an earlier checkpoint, or start over with resume=off") from None
+
+
 def load_training_state(path: str, models: dict) -> dict:
     """Restore what `save_training_state` wrote, on this run's process count; returns the plain-data state."""
 
     tensors = _tensors(models)  # the layout to fill, sharded as this run's models are
-    dcp.load(tensors, storage_reader=HuggingFaceStorageReader(os.path.join(path, "tensors")))
+    check_tensor_files(path)
+    try:
+        dcp.load(tensors, storage_reader=HuggingFaceStorageReader(os.path.join(path, "tensors")))
+    except (AssertionError, CheckpointException, OSError, SafetensorError) as e:  # torch's reader asserts on damage
+        if isinstance(e, CheckpointException):  # it wraps each process's error
+            e = next(iter(e.failures.values()))[0]
+        raise ConfigError(f"the checkpoint {path} cannot be read ({type(e).__name__}: {' '.join(str(e).split())[:200]}"
+                          f"): a file in {path}/tensors is damaged or missing; resume from an earlier checkpoint, or "
+                          f"start over with resume=off") from None
     options = StateDictOptions(ignore_frozen_params=True, flatten_optimizer_state_dict=True, strict=False)
     for name, (model, optimizer) in models.items():
         mine = {k[len(name) + 1:]: v for k, v in tensors.items() if k.startswith(name + ".")}
@@ -238,5 +265,9 @@ def load_training_state(path: str, models: dict) -> dict:
     if os.path.exists(rng_file):  # absent for a process that the saving run did not have
         with open(rng_file) as f:
             set_rng_state(json.load(f))
-    with open(os.path.join(path, "state.json")) as f:
-        return json.load(f)
+    try:
+        with open(os.path.join(path, "state.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"the checkpoint {path} cannot be read: {path}/state.json is damaged ({type(e).__name__}); "
+                          f"resume from an earlier checkpoint, or start over with resume=off") from None

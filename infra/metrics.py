@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 import torch
 
-from infra.config import ConfigError
+from infra.config import ConfigError, SaveError
 
 OPTIONAL_LOGGERS = ("wandb", "tensorboard")  # each is also the name of the package it needs
 WANDB_ID_FILE = "wandb_id.txt"  # in output_dir: the wandb run a resumed run continues
@@ -68,8 +68,14 @@ class MetricsLogger:
     def log(self, metrics: dict, step: int) -> None:
         if not self.enabled:
             return
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        line = json.dumps({"step": step, **finite_or_null(metrics)}, allow_nan=False)
+        try:
+            with open(self.path, "a") as f:
+                f.write(line + "\n")
+        except OSError as e:  # disk full, or the folder made read-only during the run
+            raise SaveError(f"cannot append step {step} to {self.path} ({e.strerror}); the lines and checkpoints "
+                            f"before it are kept: free space or fix the permissions, then run the same command "
+                            f"again to resume") from None
         if self.wandb:
             self.wandb.log(metrics, step=step)
         if self.tb:
@@ -81,6 +87,12 @@ class MetricsLogger:
             self.wandb.finish()
         if self.tb:
             self.tb.close()
+
+
+def finite_or_null(metrics: dict) -> dict:
+    """NaN and ±inf as None, so metrics.jsonl stays strict JSON (json.dumps would write NaN and Infinity, which
+    JSON has not, and which jq and most readers refuse): a non-finite value reads as null, "not measured"."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
 
 
 def console_line(metrics: dict, keys: list) -> str:

@@ -7,26 +7,42 @@ checks of a model folder before anything loads; and saving a model as an HF fold
 
 transformers and peft are imported inside the functions that use them: `--help` and a mistake in the config
 then answer in about 2 s, without their 3 s import.
+
+Nothing here runs code from a model folder or unpickles weights: every from_pretrained passes trust_remote_code
+from the config (model.trust_remote_code, reward_model.trust_remote_code; false by default) and models load from
+safetensors only. check_model_path refuses, in one sentence and before anything loads, a folder that would need
+either, and a LoRA adapter given where a model is expected.
 """
+import json
 import os
 import re
 import shutil
+import tempfile
 
 import torch
 
-from infra.batches import autocast_dtype, use_varlen_attention
-from infra.config import ConfigError
+from infra.batches import autocast_dtype
+from infra.config import ConfigError, SaveError, write_error
+from infra.layouts import use_varlen_attention
 from infra.distributed import describe, distribute
 from infra.trunk import describe_trunk, NoEmbedding, Replay
 
+PICKLE_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt")  # torch.save files: loading one unpickles it
 
-def load_tokenizer(path: str, key: str = "model.path"):
+
+def policy_tokenizer(cfg_model):
+    """The policy's tokenizer: model.tokenizer_path, else model.path's (load_tokenizer)."""
+    key = "model.tokenizer_path" if cfg_model.tokenizer_path else "model.path"
+    return load_tokenizer(cfg_model.tokenizer_path or cfg_model.path, key, trust_remote_code=cfg_model.trust_remote_code)
+
+
+def load_tokenizer(path: str, key: str = "model.path", *, trust_remote_code: bool = False):
     """The tokenizer at `path` (a folder, or a hub id), with pad = EOS where it has no pad token. A hub id the hub
     does not give (no network, or no such model) fails in one sentence naming `key`."""
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except OSError as e:
         reason = str(e).splitlines()[0]
         raise ConfigError(f"{key}: {path} is not a local folder, and the hub did not give it ({reason}); give a model "
@@ -40,7 +56,8 @@ def load_policy(cfg_model):
     """The actor: a causal LM in fp32 (master weights), with LoRA adapters when lora_rank > 0."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(cfg_model.path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(cfg_model.path, dtype=torch.float32, use_safetensors=True,
+                                                 trust_remote_code=cfg_model.trust_remote_code)
     if cfg_model.gradient_checkpointing:
         use_gradient_checkpointing(model)
     if cfg_model.lora_rank > 0:
@@ -68,32 +85,83 @@ def use_gradient_checkpointing(model) -> None:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def check_model_path(path: str, key: str, need: str = "model") -> None:
-    """Before anything loads: a local folder that is missing or holds no model (need="model": config.json or
-    adapter_config.json, and weights) or no tokenizer (need="tokenizer") fails in a sentence. A name that
-    reads as a hub id (org/name, where no folder `org` exists here) is left to the hub."""
+def check_model_path(path: str, key: str, need: str = "model", trust_remote_code: bool = False) -> None:
+    """Before anything loads: a local folder that is missing or holds no model (need="model": config.json and
+    safetensors weights) or no tokenizer (need="tokenizer") fails in a sentence; so does a LoRA adapter, a folder
+    of pickle weights only, or one whose model or tokenizer is code in the folder (auto_map) while
+    trust_remote_code is false. A name that reads as a hub id (org/name, where no folder `org` exists here) is
+    left to the hub."""
     hub_id = re.fullmatch(r"[\w-][\w.-]*(/[\w.-]+)?", path) and not os.path.isdir(path.split("/")[0])
     if not os.path.isdir(path):
         if hub_id and not os.path.exists(path):
             return
         raise ConfigError(f"{key}: {path} is not a folder; give a local model folder or a hub id (org/name)")
-    files = os.listdir(path)
+    files = set(os.listdir(path))
     if need == "tokenizer":
-        if not {"tokenizer.json", "tokenizer_config.json", "tokenizer.model"} & set(files):
+        if not {"tokenizer.json", "tokenizer_config.json", "tokenizer.model"} & files:
             raise ConfigError(f"{key}: {path} holds no tokenizer (tokenizer.json or tokenizer_config.json)")
-    elif not ({"config.json", "adapter_config.json"} & set(files) and any(f.endswith((".safetensors", ".bin"))
-                                                                          for f in files)):
+        check_no_remote_code(os.path.join(path, "tokenizer_config.json"), key, trust_remote_code)
+        return
+    if "adapter_config.json" in files:
+        raise ConfigError(f"{key}: {path} is a LoRA adapter (adapter_config.json), not a whole model; merge it into "
+                          f"its base first, python tools/merge_lora.py {path} {path}-merged, and give {path}-merged")
+    pickles = sorted(f for f in files if f.endswith(PICKLE_WEIGHTS))
+    if "config.json" in files and pickles and not any(f.endswith(".safetensors") for f in files):
+        raise ConfigError(pickle_sentence(path, pickles, key))
+    if not ("config.json" in files and any(f.endswith(".safetensors") for f in files)):
         raise ConfigError(f"{key}: {path} holds no model (config.json and *.safetensors weights); give the folder "
                           f"a model was saved to")
+    check_no_remote_code(os.path.join(path, "config.json"), key, trust_remote_code)
+
+
+def pickle_sentence(path: str, pickles: list, key: str) -> str:
+    """Why a folder of pickle weights is refused, and the command that converts it (run where the file is trusted:
+    torch.load with weights_only=True refuses code, but this library unpickles nothing)."""
+    with open(os.path.join(path, "config.json")) as f:
+        arch = (json.load(f).get("architectures") or ["AutoModelForCausalLM"])[0]
+    return (f"{key}: {path} holds only pickle weights ({', '.join(pickles[:3])}), which this library does not load "
+            f"(unpickling can run code); convert them to safetensors once, where you trust the file: python -c "
+            f"\"from transformers import {arch} as M; M.from_pretrained('{path}').save_pretrained('{path}')\"")
+
+
+def check_no_remote_code(config_file: str, key: str, trust_remote_code: bool) -> None:
+    """A config.json / tokenizer_config.json whose `auto_map` points at Python files in the folder, for a model type
+    or tokenizer class transformers does not have itself (so loading would run that code), fails unless
+    trust_remote_code: transformers would otherwise ask on stdin, and a `yes` piped into a script runs it."""
+    try:
+        with open(config_file) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return  # absent, or not JSON: transformers' own error says so
+    if trust_remote_code or not isinstance(config, dict) or not config.get("auto_map"):
+        return
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if config_file.endswith("tokenizer_config.json"):
+        known = hasattr(transformers, str(config.get("tokenizer_class")))
+    else:
+        known = config.get("model_type") in CONFIG_MAPPING_NAMES
+    if not known:
+        enable = ("--trust-remote-code" if key.startswith("--") else  # a tool's argument
+                  "reward_model.trust_remote_code=true" if key.startswith("reward_model.")
+                  else "model.trust_remote_code=true")
+        names = [v for value in config["auto_map"].values() for v in (value if isinstance(value, list) else [value])]
+        code = sorted({v.split(".")[0] + ".py" for v in names if isinstance(v, str)})  # "planted.Cls" → planted.py
+        raise ConfigError(f"{key}: {config_file} maps its classes to code in the folder "
+                          f"({', '.join(code) or 'auto_map'}), which runs only with {enable}; set it if you trust "
+                          f"that code, or give a folder transformers loads by itself")
 
 
 def check_model_folders(cfg_model, critic_path) -> None:
     """Before anything loads: the policy's folder and its tokenizer, and the critic's backbone (None: no critic)."""
-    check_model_path(cfg_model.path, "model.path")
+    trust = cfg_model.trust_remote_code
+    check_model_path(cfg_model.path, "model.path", trust_remote_code=trust)
     check_model_path(cfg_model.tokenizer_path or cfg_model.path,
-                     "model.tokenizer_path" if cfg_model.tokenizer_path else "model.path", need="tokenizer")
+                     "model.tokenizer_path" if cfg_model.tokenizer_path else "model.path", need="tokenizer",
+                     trust_remote_code=trust)
     if critic_path is not None:
-        check_model_path(critic_path, "critic.model_path")
+        check_model_path(critic_path, "critic.model_path", trust_remote_code=trust)
 
 
 def reference_dtype(device: torch.device, compute_dtype) -> torch.dtype:
@@ -104,14 +172,16 @@ def reference_dtype(device: torch.device, compute_dtype) -> torch.dtype:
     return compute_dtype if device.type == "cuda" and compute_dtype is not None else torch.float32
 
 
-def load_reference(path: str, dtype: torch.dtype = torch.float32):
+def load_reference(path: str, dtype: torch.dtype = torch.float32, *, trust_remote_code: bool = False):
     """The frozen reference policy (eval mode, no gradients), in `dtype` (reference_dtype)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval().requires_grad_(False)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True,
+                                                 trust_remote_code=trust_remote_code)
+    return model.eval().requires_grad_(False)
 
 
-def load_critic(path: str, trunk_layers: int = 0) -> torch.nn.Module:
+def load_critic(path: str, trunk_layers: int = 0, *, trust_remote_code: bool = False) -> torch.nn.Module:
     """A token-level value model (fp32 weights) from a policy or reward-model folder: a causal-LM backbone with a
     scalar head on every token (`AutoModelForTokenClassification`, num_labels=1, as verl). From a policy the head
     starts random; from a reward model (reward_model.py's `AutoModelForSequenceClassification`, whose head is also
@@ -122,13 +192,14 @@ def load_critic(path: str, trunk_layers: int = 0) -> torch.nn.Module:
     import transformers
     from transformers import AutoConfig, AutoModelForTokenClassification
 
-    config = AutoConfig.from_pretrained(path, num_labels=1)
+    config = AutoConfig.from_pretrained(path, num_labels=1, trust_remote_code=trust_remote_code)
     config.classifier_dropout = 0.0  # dropout would make values differ between rollout and update
     model_class = without_trunk(config, trunk_layers) if trunk_layers else AutoModelForTokenClassification
     # From a policy, transformers reports lm_head as unused and the head as new: expected, so quiet.
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
-    model = model_class.from_pretrained(path, config=config, dtype=torch.float32)
+    model = model_class.from_pretrained(path, config=config, dtype=torch.float32, use_safetensors=True,
+                                        trust_remote_code=trust_remote_code)
     transformers.logging.set_verbosity(verbosity)
     if model.config.pad_token_id is None:
         model.config.pad_token_id = model.config.eos_token_id
@@ -162,14 +233,15 @@ def without_trunk(config, layers: int):
     return TopLayers
 
 
-def load_reward_classifier(path: str, pad_id: int, lora=None):
+def load_reward_classifier(path: str, pad_id: int, lora=None, *, trust_remote_code: bool = False):
     """A 1-output sequence classifier (from a backbone: a fresh `score` head) in fp32, the master weights; with
     `lora` (the reward_model config, lora_rank > 0), LoRA adapters, the `score` head trained in full.
     reward_model.RewardModel reads it at the last real token."""
     from transformers import AutoModelForSequenceClassification
 
     model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, pad_token_id=pad_id,
-                                                               dtype=torch.float32)
+                                                               dtype=torch.float32, use_safetensors=True,
+                                                               trust_remote_code=trust_remote_code)
     if lora is not None and lora.lora_rank > 0:
         model = add_lora(model, lora.lora_rank, lora.lora_alpha, lora, "SEQ_CLS")  # SEQ_CLS: `score` saved too
     return model
@@ -184,10 +256,12 @@ def load_models(cfg, accelerator, fsdp, fwd, with_critic: bool):
     ref = critic = None
     if (cfg.algorithm.use_kl_in_reward or cfg.algorithm.use_kl_loss) and cfg.model.lora_rank == 0:
         dtype = reference_dtype(accelerator.device, autocast_dtype(cfg.model.dtype))
-        ref = distribute(load_reference(cfg.model.path, dtype), accelerator, fsdp, trainable=False)
+        ref = distribute(load_reference(cfg.model.path, dtype, trust_remote_code=cfg.model.trust_remote_code),
+                         accelerator, fsdp, trainable=False)
     if with_critic:
         critic = load_critic(cfg.critic.model_path or cfg.model.path,
-                             fwd.trunk.layers if fwd.trunk and fwd.trunk.critic else 0)
+                             fwd.trunk.layers if fwd.trunk and fwd.trunk.critic else 0,
+                             trust_remote_code=cfg.model.trust_remote_code)
         if cfg.critic.lora_rank > 0:
             critic = add_lora(critic, cfg.critic.lora_rank, cfg.critic.lora_alpha, cfg.model, "TOKEN_CLS")
         if cfg.model.gradient_checkpointing:
@@ -203,16 +277,67 @@ def load_models(cfg, accelerator, fsdp, fwd, with_critic: bool):
     return policy, ref, critic
 
 
-def save_pretrained_atomic(model, tokenizer, path: str, state_dict=None) -> None:
-    """The model in HF format (a LoRA model writes adapter_model.safetensors + adapter_config.json).
+def check_output_folder(path: str, overwrite: bool, inputs: tuple = ()) -> None:
+    """Before an export writes the folder `path`: one that exists and holds anything is refused unless `overwrite`
+    (the user said to replace it), and one that is, or holds, a folder of `inputs` (what the export reads: a base
+    model, an adapter) is refused always. Nothing a tool did not write is deleted by surprise."""
+    target = os.path.realpath(path)
+    for given in inputs:
+        source = os.path.realpath(given)
+        if source == target or source.startswith(target + os.sep):
+            what = "is the input" if source == target else "holds the input"
+            raise ConfigError(f"the output folder {path} {what} {given}, which writing it would delete; choose "
+                              f"another output folder")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"the output folder {path} is a file; choose another output folder")
+    entries = sorted(os.listdir(path)) if os.path.isdir(path) else []
+    if entries and not overwrite:
+        count = f"{len(entries)} {'entry' if len(entries) == 1 else 'entries'}"
+        raise ConfigError(f"the output folder {path} exists and is not empty ({count}, e.g. {entries[0]}); choose a "
+                          f"new or empty folder, or pass --overwrite to replace it")
+
+
+def save_pretrained_atomic(model, tokenizer, path: str, state_dict=None, *, overwrite: bool, inputs: tuple = ()):
+    """The model in HF format (a LoRA model writes adapter_model.safetensors + adapter_config.json), written to a
+    temporary sibling folder and renamed to `path`: a reader never sees half a model, and a failed write leaves
+    `path` as it was. check_output_folder(path, overwrite, inputs) first.
 
     `state_dict`: the full weights when the model is sharded (accelerator.get_state_dict)."""
+    check_output_folder(path, overwrite, inputs)
     for adapter in getattr(model, "peft_config", {}).values():  # a local base as an absolute path: the adapter
         if os.path.isdir(adapter.base_model_name_or_path or ""):  # then loads from any directory (issue 13)
             adapter.base_model_name_or_path = os.path.abspath(adapter.base_model_name_or_path)
-    tmp = path + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, state_dict=state_dict)
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(tmp, path)
+    parent, name = os.path.split(os.path.abspath(path))
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=parent)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would hide the model from other users (a serving account)
+    except OSError as e:
+        raise SaveError(f"cannot write {path} ({e.strerror}); nothing was written") from None
+    from safetensors import SafetensorError
+
+    try:
+        model.save_pretrained(tmp, state_dict=state_dict)
+        tokenizer.save_pretrained(tmp)
+        replace_folder(tmp, path)
+    except (OSError, SafetensorError) as e:  # safetensors' writer reports a full disk as a SafetensorError
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise SaveError(f"cannot write {path} ({write_error(e)}); it is as it was before (the model went to a "
+                        f"temporary folder, now removed): free space or fix the permissions, then run the same "
+                        f"command again") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def replace_folder(new: str, path: str) -> None:
+    """Rename the folder `new` to `path`; a folder already at `path` is moved aside first and deleted only after."""
+    if not os.path.isdir(path):
+        os.replace(new, path)
+        return
+    old = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.", suffix=".old", dir=os.path.dirname(new))
+    os.replace(path, old)  # (over the empty folder mkdtemp made)
+    os.replace(new, path)
+    shutil.rmtree(old, ignore_errors=True)

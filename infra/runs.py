@@ -1,8 +1,12 @@
 """A run's output folder, shared by ppo.py and reward_model.py: one run at a time (a lock), checkpoints written
 atomically (step_<N>.tmp/ renamed to step_<N>/, the last `keep` kept), resuming (and what a resumed run does with
-later checkpoints and metric lines), and SIGTERM / Ctrl-C ending a step with a checkpoint. For ppo.py also: the
-loop's state (TrainState), the final export, and best/ (trainer.best_metric) with its rollback.
-The checkpoint's contents (safetensors + JSON) are distributed.save_training_state's."""
+later checkpoints and metric lines), and SIGTERM / Ctrl-C ending a step with a checkpoint. best/ (ppo.py's
+trainer.best_metric) is a checkpoint folder too, never pruned; what is kept in it and the rollback to it are
+infra/train_state.py's.
+The checkpoint's contents (safetensors + JSON) are distributed.save_training_state's; beside them each checkpoint
+has a manifest.json (infra/manifests.py): the size and sha256 of every file it wrote and a fingerprint of the base
+models it was trained from. Resuming checks both before any model loads (intact_resume, record_bases): a damaged
+file is named, resume=auto falls back to the newest intact checkpoint, and a changed base model fails."""
 import fcntl
 import json
 import os
@@ -11,18 +15,20 @@ import shutil
 import signal
 import socket
 import time
-
 from typing import Optional
 
 import torch
-from accelerate.utils import broadcast_object_list
+from accelerate.utils import broadcast_object_list, gather_object
+from safetensors import SafetensorError
+from torch.distributed.checkpoint.api import CheckpointException
 
 from infra import cli
-from infra.config import ConfigError
-from infra.distributed import full_state_dict, load_training_state, rng_state, save_training_state, set_rng_state
-from infra.metrics import MetricsLogger, plot_curves, wandb_resume_id
-from infra.models import save_pretrained_atomic
-from infra.optim import restore_schedule
+from infra.config import ConfigError, SaveError, write_error
+from infra.distributed import load_training_state, save_training_state
+from infra.manifests import checkpoint_problem, fingerprint, recorded_bases, write_manifest
+
+BASES_FILE = "base_models.json"  # in output_dir: this run's base models and their fingerprints (record_bases)
+WRITE_ERRORS = (OSError, SafetensorError, CheckpointException)  # a full disk or a folder made read-only
 
 
 def drop_metrics_after(path: str, step: int, moved_to: str = None) -> None:
@@ -44,6 +50,18 @@ def drop_metrics_after(path: str, step: int, moved_to: str = None) -> None:
             os.replace(target + ".tmp", target)
 
 
+BEST = "best"  # output_dir/best: the checkpoint of the best validation (trainer.best_metric)
+
+
+def best_step(output_dir: str) -> Optional[int]:
+    """The step best/ was saved at, or None when there is none."""
+    path = os.path.join(output_dir, BEST, "state.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)["step"]
+
+
 def checkpoints(output_dir: str) -> list[str]:
     """step_* folders in output_dir, oldest first."""
     if not os.path.isdir(output_dir):
@@ -52,24 +70,144 @@ def checkpoints(output_dir: str) -> list[str]:
     return [os.path.join(output_dir, n) for n in sorted(names, key=lambda n: int(n[5:]))]
 
 
-def save_checkpoint(accelerator, output_dir: str, step: int, keep: int, models: dict, state: dict) -> str:
-    """Models' trainable weights, optimisers, `state` (plain data) and RNG into step_<N>, atomically.
-    models: {name: (model, optimizer or None)}; see distributed.save_training_state."""
-    final = os.path.join(output_dir, f"step_{step}")
+def save_checkpoint(accelerator, output_dir: str, step: int, keep: int, models: dict, state: dict,
+                    folder: Optional[str] = None) -> str:
+    """Models' trainable weights, optimisers, `state` (plain data) and RNG into step_<N> (or `folder`, e.g. best/,
+    which keep_checkpoints never prunes), atomically, with its manifest (write_manifest); the last `keep` step_*
+    are kept. models: {name: (model, optimizer or None)}; see distributed.save_training_state.
+    A write that fails on any process (disk full, a folder made read-only) is a SaveError on every process,
+    naming the folder and the checkpoints kept; the half-written folder is removed."""
+    final = os.path.join(output_dir, folder or f"step_{step}")
     tmp = final + ".tmp"
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    accelerator.wait_for_everyone()
-    save_training_state(tmp, models, state)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
+
+    def publish():  # rank 0, once every process has written its files
+        write_manifest(tmp, run_bases(output_dir))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        for old in checkpoints(output_dir)[:-keep] if keep > 0 else []:
+        for old in checkpoints(output_dir)[:-keep] if keep > 0 and folder is None else []:
             shutil.rmtree(old, ignore_errors=True)
-    accelerator.wait_for_everyone()
+
+    error = first_error(accelerator, failed_write(lambda: fresh_folder(tmp), accelerator.is_main_process))
+    if not error:
+        error = first_error(accelerator, failed_write(lambda: save_training_state(tmp, models, state)))
+    if not error:
+        error = first_error(accelerator, failed_write(publish, accelerator.is_main_process))
+    if error:
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise save_failed(final, error, [os.path.basename(path) for path in checkpoints(output_dir)])
     return final
+
+
+def save_failed(folder: str, error: str, kept: list) -> SaveError:
+    """The sentence for a checkpoint that could not be written: why, and what is still there to resume from."""
+    if not kept:
+        return SaveError(f"cannot write the checkpoint {folder} ({error}); it is not kept, and there is no earlier "
+                         f"one: free space or fix the permissions, then run the same command again")
+    return SaveError(f"cannot write the checkpoint {folder} ({error}); it is not kept, {these(kept)} intact: free "
+                     f"space or fix the permissions, then run the same command again to resume from {kept[-1]}")
+
+
+def fresh_folder(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path)
+
+
+def failed_write(write, here: bool = True) -> Optional[str]:
+    """write() (when `here`: on this process) → None, or why it failed when that is a write error (write_error's
+    few words)."""
+    if not here:
+        return None
+    try:
+        write()
+    except WRITE_ERRORS as e:
+        return write_error(e)
+    return None
+
+
+def first_error(accelerator, error: Optional[str]) -> Optional[str]:
+    """The first process's error (or None), the same on every process: a collective, so also a barrier."""
+    if accelerator.num_processes > 1:
+        error = next((e for e in gather_object([error]) if e), None)
+    return error
+
+
+def intact_resume(accelerator, resume: str, output_dir: str, key: str):
+    """resolve_resume's checkpoint, checked (checkpoint_problem) on rank 0 before any model loads: a damaged one
+    given by path fails in one sentence; with resume=auto the newest intact one is taken, saying which were
+    skipped (they are moved aside with the later history, set_aside_later), and none intact fails."""
+    def choose():
+        if resume != "auto":
+            path = resolve_resume(resume, output_dir, key)
+            problem = path and checkpoint_problem(path)
+            if problem:
+                raise ConfigError(f"{key}: the checkpoint {path} is damaged: {problem}; give another checkpoint, or "
+                                  f"auto (the newest intact one), or off")
+            return path
+        skipped = []
+        for path in reversed(checkpoints(output_dir)):
+            problem = checkpoint_problem(path)
+            if problem is None:
+                if skipped:
+                    print(f"{key}=auto: skipped the damaged {'; '.join(skipped)}; resuming from {path}", flush=True)
+                return path
+            skipped.append(f"{os.path.basename(path)} ({problem})")
+        if skipped:
+            raise ConfigError(f"{key}=auto: no checkpoint in {output_dir} is intact: {'; '.join(skipped)}; set "
+                              f"{key}=off to start over (they are then moved to {output_dir}/abandoned/)")
+        return None
+    return on_rank0(accelerator, choose)
+
+
+def on_rank0(accelerator, fn):
+    """fn() run by rank 0 only, its value (or its ConfigError) given to every process."""
+    value = error = None
+    if accelerator.is_main_process:
+        try:
+            value = fn()
+        except ConfigError as e:
+            error = str(e)
+    if accelerator.num_processes > 1:
+        value, error = broadcast_object_list([value, error])
+    if error:
+        raise ConfigError(error)
+    return value
+
+
+def run_bases(output_dir: str) -> dict:
+    """This run's base models, as record_bases wrote them to <output_dir>/BASES_FILE ({} before it has)."""
+    path = os.path.join(output_dir, BASES_FILE)
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+BASE_KEYS = {"trainer": ("model.path", "critic.model_path"), "reward_model": ("reward_model.model_path",)}
+
+
+def record_bases(accelerator, cfg, stage: str, unused: frozenset, checkpoint) -> None:
+    """Fingerprint this run's base models (BASE_KEYS, but `unused` ones; critic.model_path null means model.path)
+    into <output_dir>/BASES_FILE, which every checkpoint's manifest copies; when resuming `checkpoint`, a base
+    whose fingerprint differs from the one it recorded fails in one sentence: the saved adapter or optimiser state
+    belongs to other weights."""
+    def record():
+        values = cli.flatten(cli.to_dict(cfg))
+        bases = {key: {"path": values[key], "fingerprint": fingerprint(values[key])} for key in BASE_KEYS[stage]
+                 if key not in unused and values.get(key)}
+        recorded = recorded_bases(checkpoint) if checkpoint else {}
+        for key, now in bases.items():
+            then = recorded.get(key)
+            if then and then["fingerprint"] and now["fingerprint"] and then["fingerprint"] != now["fingerprint"]:
+                raise ConfigError(f"{key}: the model at {now['path']} is not the one {checkpoint} was trained from "
+                                  f"(its config or weights changed since: fingerprint {then['fingerprint'][:12]} "
+                                  f"then, {now['fingerprint'][:12]} now); put that model back, or train from the new "
+                                  f"one in another output_dir (or with {stage}.resume=off)")
+        path = os.path.join(getattr(cfg, stage).output_dir, BASES_FILE)
+        with open(path + ".tmp", "w") as f:
+            json.dump(bases, f, indent=1)
+        os.replace(path + ".tmp", path)
+    on_rank0(accelerator, record)
 
 
 def lock_output_dir(accelerator, output_dir: str, key: str):
@@ -109,13 +247,15 @@ def start_run(accelerator, cfg, stage: str, unused: frozenset = frozenset()):
     that checkpoint is at total_steps and final/ exists: there is nothing to train."""
     section = getattr(cfg, stage)
     lock = lock_output_dir(accelerator, section.output_dir, f"{stage}.output_dir")
-    path = resolve_resume(section.resume, section.output_dir, f"{stage}.resume")
+    path = intact_resume(accelerator, section.resume, section.output_dir, f"{stage}.resume")
     if path is None:
+        record_bases(accelerator, cfg, stage, unused, None)
         return lock, None, False
     saved = os.path.join(os.path.dirname(os.path.normpath(path)), "config.yaml")
     changes = cli.resume_changes(cfg, saved, unused) if os.path.exists(saved) else []
     if changes:
         accelerator.print(f"changed since {path}: " + ", ".join(changes))
+    record_bases(accelerator, cfg, stage, unused, path)  # the same base models as the checkpoint's
     step = checkpoint_step(path)
     finished = step >= section.total_steps and os.path.isdir(os.path.join(section.output_dir, "final"))
     if finished:
@@ -145,22 +285,61 @@ def set_aside_later(output_dir: str, step: int, metrics_path: str) -> None:
           f"their metrics moved to {aside}", flush=True)
 
 
+class RunError(ConfigError):
+    """The run cannot go on usefully (ppo.py and reward_model.py print it as one sentence and exit 1)."""
+
+
+def skipped_steps_error(in_a_row: int, step: int, stage: str, output_dir: str) -> RunError:
+    """Why a run that skipped `in_a_row` steps in a row (a non-finite loss or gradient, so train_step left the
+    weights alone) stops without writing final/: an untrained model must not look like a trained one."""
+    kept = [os.path.basename(path) for path in checkpoints(output_dir)]
+    return RunError(f"stopping at step {step}: the last {in_a_row} steps each skipped an optimiser step because the "
+                    f"loss or gradient was not finite (NaN or inf: a reward too large, or a learning rate too high), "
+                    f"so the model is not learning ({stage}.max_skipped_steps={in_a_row}); final/ is not written"
+                    + (f" and {these(kept)} kept ({output_dir})" if kept else ""))
+
+
+def these(checkpoints: list) -> str:
+    """"the checkpoint step_2 is" or "the checkpoints step_2, step_4 are"."""
+    if len(checkpoints) == 1:
+        return f"the checkpoint {checkpoints[0]} is"
+    return f"the checkpoints {', '.join(checkpoints)} are"
+
+
+class Interrupted(KeyboardInterrupt):
+    """A stop signal that could not wait for the end of the step: a second one, or a reward call still running
+    reward.timeout_s after the first. The run ends at once (exit code 128 + signum), its last checkpoint kept."""
+
+    def __init__(self, signum: int, why: str):
+        super().__init__(f"stopped by {signal.Signals(signum).name} {why}")
+        self.signum = signum
+
+
 class StopSignal:
     """SIGTERM (what Slurm sends on preemption or at the time limit, and scancel) or Ctrl-C during training is
     noted, so that the loop finishes its step and saves a checkpoint; a second one stops at once."""
 
     def __init__(self, verbose: bool):
-        self.signum, self.verbose = 0, verbose
+        self.signum, self.since, self.verbose = 0, None, verbose  # since: time.monotonic() of the first signal
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self.handle)
 
     def handle(self, signum, frame):
         if self.signum:
-            raise KeyboardInterrupt
-        self.signum = signum
+            raise Interrupted(signum, "a second time, at once; the last checkpoint is kept: run the same command "
+                                      "again to resume")
+        self.signum, self.since = signum, time.monotonic()
         if self.verbose:  # os.write: print is not safe inside a signal handler
             os.write(2, f"\n{signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
                         f"(send it again to stop now)\n".encode())
+
+    def check_overdue(self, seconds: float) -> None:
+        """Interrupted when the signal came more than `seconds` ago: called by a wait that the step cannot end
+        by itself (a reward call, infra/worker.py), so a hung call cannot hold a preempted run past its timeout."""
+        if self.since is not None and time.monotonic() - self.since > seconds:
+            raise Interrupted(self.signum, f"while a reward call was still running {seconds:g} s later "
+                                           f"(reward.timeout_s); this step is not saved, the last checkpoint is kept: "
+                                           f"run the same command again to resume")
 
     def received(self, accelerator) -> int:
         """The signal's number if any process got one (all must stop at the same step), else 0."""
@@ -202,131 +381,3 @@ def resume_or_start(accelerator, path, output_dir: str, logger, cfg, models: dic
 
 def checkpoint_step(path: str) -> int:
     return int(re.search(r"step_(\d+)", os.path.basename(os.path.normpath(path))).group(1))
-
-
-# ---------------------------------------------------------------------------------------
-# ppo.py's state in a checkpoint, resuming it, the final export, and best/ with its rollback
-
-
-class TrainState:
-    """What a checkpoint of ppo.py needs beyond weights and optimiser states, as plain data: the step, the data
-    position, β (kl_ctrl: kl.KLController), recent KL, how far each LR schedule has gone, the best validation and
-    the rollbacks so far."""
-
-    def __init__(self, kl_ctrl, schedulers: dict):
-        self.step, self.epoch, self.position, self.skipped, self.kl_ctrl = 0, 0, 0, 0, kl_ctrl
-        self.recent_kl = []  # kl/mean of the last trainer.max_kl_window steps, for the guard
-        self.schedulers = {name: s for name, s in schedulers.items() if s is not None}
-        self.best, self.rollbacks = None, 0  # best: {"step", "value"} of trainer.best_metric, saved in best/
-
-    def state_dict(self):
-        return {"step": self.step, "epoch": self.epoch, "position": self.position, "skipped": self.skipped,
-                "kl_coef": self.kl_ctrl.value, "recent_kl": self.recent_kl, "best": self.best,
-                "rollbacks": self.rollbacks, "lr_steps": {name: s.last_epoch for name, s in self.schedulers.items()}}
-
-    def load_state_dict(self, s):
-        self.step, self.epoch, self.position, self.skipped = s["step"], s["epoch"], s["position"], s["skipped"]
-        self.kl_ctrl.value, self.recent_kl = s["kl_coef"], s["recent_kl"]
-        self.best, self.rollbacks = s.get("best"), s.get("rollbacks", 0)  # absent in older checkpoints
-        for name, scheduler in self.schedulers.items():
-            restore_schedule(scheduler, s["lr_steps"][name])
-
-    def next_prompts(self, num_rows: int, batch_size: int, seed: int, shuffle: bool) -> list[int]:
-        """The next `batch_size` row indices of a seeded per-epoch permutation (the last partial batch is dropped)."""
-        if self.position + batch_size > num_rows:
-            self.epoch, self.position = self.epoch + 1, 0
-        order = (torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + self.epoch))
-                 if shuffle else torch.arange(num_rows))
-        inds = order[self.position:self.position + batch_size].tolist()
-        self.position += batch_size
-        return inds
-
-
-def resume(accelerator, cfg, checkpoint, checkpointed: dict, state: TrainState):
-    """ppo.py's MetricsLogger; from a checkpoint (start_run's, or None), the models and optimisers of
-    `checkpointed` ({name: (model, optimiser)}) and `state` restored."""
-    t = cfg.trainer
-    logger = MetricsLogger(t.output_dir, t.logger, cli.to_dict(cfg), t.project_name, t.experiment_name,
-                           accelerator.is_main_process, resume_id=wandb_resume_id(checkpoint))
-    saved_state = resume_or_start(accelerator, checkpoint, t.output_dir, logger, cfg, checkpointed)
-    if checkpoint:
-        state.load_state_dict(saved_state)
-        accelerator.print(f"resumed from {checkpoint} at step {state.step}")
-    return logger
-
-
-def save_final(accelerator, policy, tokenizer, cfg) -> None:
-    """The policy in HF format in output_dir/final (with LoRA: the adapter), and curves.png from metrics.jsonl."""
-    t = cfg.trainer
-    final, metrics_path = os.path.join(t.output_dir, "final"), os.path.join(t.output_dir, "metrics.jsonl")
-    state_dict = full_state_dict(policy)  # every process takes part in gathering the shards
-    if accelerator.is_main_process:
-        save_pretrained_atomic(accelerator.unwrap_model(policy), tokenizer, final, state_dict)
-        accelerator.print(f"policy saved to {final}" + (f"; merge the adapter with: python tools/merge_lora.py {final} "
-                                                        f"{t.output_dir}/merged" if cfg.model.lora_rank else ""))
-        if t.plot_curves and os.path.exists(metrics_path):
-            plot_curves(metrics_path, os.path.join(t.output_dir, "curves.png"))  # the panels of metrics.CURVE_KEYS
-
-
-BEST = "best"  # output_dir/best: the checkpoint of the best validation (trainer.best_metric)
-
-
-def best_step(output_dir: str) -> Optional[int]:
-    """The step best/ was saved at, or None when there is none."""
-    path = os.path.join(output_dir, BEST, "state.json")
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f)["step"]
-
-
-def save_best(accelerator, output_dir: str, models: dict, state: dict) -> str:
-    """best/ as a step_<N> checkpoint is written (best.tmp/ renamed), outside keep_checkpoints' count: never deleted
-    by it. models: {name: (model, optimizer)}; see distributed.save_training_state."""
-    final = os.path.join(output_dir, BEST)
-    tmp = final + ".tmp"
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    accelerator.wait_for_everyone()
-    save_training_state(tmp, models, state)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-    accelerator.wait_for_everyone()
-    return final
-
-
-def restore_best(accelerator, output_dir: str, models: dict) -> dict:
-    """A rollback: best/'s weights and optimiser states into `models`, and its plain-data state returned. The RNG
-    is left as it is, so that the run goes on with new samples rather than the best step's again."""
-    rng = rng_state()
-    state = load_training_state(os.path.join(output_dir, BEST), models)
-    set_rng_state(rng)
-    accelerator.wait_for_everyone()
-    return state
-
-
-def keep_best(accelerator, cfg, val_metrics: dict, state: TrainState, checkpointed: dict) -> Optional[str]:
-    """After a validation: best/ saved where trainer.best_metric beats its best so far; with trainer.rollback_tolerance,
-    best/ restored where it falls further than that below it (ppo.py, departure 7), at most trainer.max_rollbacks
-    times. Returns the rollback's sentence, or None. The first validation after step 1 is the first candidate: best/
-    holds optimiser states, which do not exist before the first update."""
-    t = cfg.trainer
-    if t.best_metric not in val_metrics:
-        raise ConfigError(f"trainer.best_metric={t.best_metric} is not a validation metric of this run; it logs "
-                          f"{', '.join(sorted(val_metrics))}")
-    value, best = val_metrics[t.best_metric], state.best
-    if best is None or value > best["value"]:
-        state.best = {"step": state.step, "value": value}
-        save_best(accelerator, t.output_dir, checkpointed, state.state_dict())
-        return None
-    if (t.rollback_tolerance is None or value >= best["value"] - t.rollback_tolerance
-            or state.rollbacks >= t.max_rollbacks or best_step(t.output_dir) != best["step"]):
-        return None  # best_step differs where a resumed run set a later best/ aside (set_aside_later)
-    saved = restore_best(accelerator, t.output_dir, checkpointed)
-    state.kl_ctrl.value, state.recent_kl, state.rollbacks = saved["kl_coef"], saved["recent_kl"], state.rollbacks + 1
-    return (f"rollback at step {state.step}: {t.best_metric} {value:.4g} fell more than trainer.rollback_tolerance "
-            f"{t.rollback_tolerance} below its best, {best['value']:.4g} at step {best['step']}; best/'s weights, "
-            f"optimiser states and β restored (rollback {state.rollbacks} of at most {t.max_rollbacks})")

@@ -4,7 +4,7 @@
 import re
 from fractions import Fraction
 
-from reward_rules.verl_rules import closing_brace
+from reward_rules.verl_rules import closing_brace, is_nan_text
 
 # ---- gsm8k: this library's lenient GSM8K rule (verl's own is verl_rules.gsm8k, for openai/gsm8k)
 
@@ -56,12 +56,15 @@ def normalize_math(answer: str) -> str:
 
 
 def boxed_score(solution_str: str, ground_truth: str) -> float:
-    """1.0 when the last boxed answer equals the ground truth (itself unboxed if boxed) after normalising."""
+    """1.0 when the last boxed answer equals the ground truth (itself unboxed if boxed) after normalising; never for
+    a ground truth that reads "nan" (verl_rules.is_nan_text)."""
     answer = last_boxed(solution_str)
     if answer is None:
         return 0.0
     truth = str(ground_truth)
     truth = last_boxed(truth) if "\\boxed" in truth else truth
+    if is_nan_text(truth):
+        return 0.0
     return float(truth is not None and normalize_math(answer) == normalize_math(truth))
 
 

@@ -2,7 +2,8 @@
 math_equal), the rule of the numina_* data sources, ported so that a response scores here exactly as in verl.
 
 tests/test_verl_rewards.py compares it with verl's, case by case; verl's quirks are kept, each noted below (Q:).
-One departure, by design: model text is never `eval`'d. verl's grader evals a \\pi answer, or a "[…]" against a
+Two departures, by design: a ground truth that reads "nan" matches nothing (verl_rules.is_nan_text); and model
+text is never `eval`'d. verl's grader evals a \\pi answer, or a "[…]" against a
 pmatrix, and parses "Matrix(…)" with sympy's eval; here only arithmetic on numbers, tuples and lists is evaluated,
 and "Matrix(…)" only of plain numbers, so `abs(-2)*\\pi` or `Matrix([[x]])` scores differently.
 Sources: PRM800K (MIT), ToRA (MIT), via verl (Apache-2.0).
@@ -16,7 +17,7 @@ import re
 import signal
 import threading
 
-from reward_rules.verl_rules import closing_brace, last_box, strip_string
+from reward_rules.verl_rules import closing_brace, is_nan_text, last_box, strip_string
 
 
 # ---- numina_* (prime_math/: PRM800K's grade_answer, then ToRA's math_equal)
@@ -26,8 +27,11 @@ PRM_UNITS = ["degree", "cm", "centimeter", "meter", "mile", "second", "minute", 
 
 
 def prime_math(solution_str: str, ground_truth: str) -> float:
-    """1.0 when the matched answer passes grade_answer, or math_equal (with pi and 3.14 when \\pi appears)."""
+    """1.0 when the matched answer passes grade_answer, or math_equal (with pi and 3.14 when \\pi appears); 0.0 for
+    a ground truth that reads "nan" (verl_rules.is_nan_text)."""
     solution_str, ground_truth = str(solution_str), str(ground_truth)
+    if is_nan_text(ground_truth):
+        return 0.0
     answer = match_answer(solution_str)
     if grade_answer(answer, ground_truth):
         return 1.0

@@ -1,10 +1,19 @@
 """verl 0.9.1's rule rewards (verl/utils/reward_score), ported so that a response scores here exactly as in verl.
 
 tests/test_verl_rewards.py compares every route with verl's, case by case. verl's quirks are kept, each noted below
-(Q:). The numina_* route, verl's prime_math grader, is verl_prime_math.py. Sources: gsm8k.py; math_reward.py
+(Q:), but one: a ground truth that reads "nan" (a missing value written out) matches nothing (is_nan_text), where
+verl's MATH, DAPO and PRIME rules score \boxed{nan} as right. The numina_* route, verl's prime_math grader, is
+verl_prime_math.py. Sources: gsm8k.py; math_reward.py
 (Hendrycks' MATH, MIT); math_dapo.py (Minerva). verl is Apache-2.0.
 """
 import re
+
+
+def is_nan_text(ground_truth) -> bool:
+    """Does the ground truth read as NaN ("nan", "-NaN")? It is str(float("nan")), a value that went missing on the
+    way to the parquet file; a rule that let \boxed{nan} match it would reward a policy for learning to say "nan"
+    (issue 24). data.py refuses such rows at start-up; the rules refuse to match them too."""
+    return isinstance(ground_truth, str) and ground_truth.strip().lstrip("+-").lower() == "nan"
 
 
 # ---- openai/gsm8k (gsm8k.py, method="strict")
@@ -99,6 +108,8 @@ def strip_string(string: str) -> str:
 def hendrycks_math(solution_str: str, ground_truth: str) -> float:
     """1.0 when the last boxed answer equals ground_truth after strip_string (raw strings compared when that raises).
     Q: ground_truth itself is not unboxed.   Q: a last \\fbox{…} scores 0 (verl's remove_boxed asserts "\\boxed")."""
+    if is_nan_text(ground_truth):
+        return 0.0
     try:
         boxed = math_last_boxed(solution_str)
     except Exception:  # verl prints the error and scores 0
@@ -161,4 +172,5 @@ def dapo(solution_str: str, ground_truth: str) -> dict:
         boxed = dapo_last_boxed(solution_str[-100:])
         if boxed is not None:
             correct, pred = boxed == ground_truth, boxed
+    correct = correct and not is_nan_text(ground_truth)
     return {"score": 1.0 if correct else -1.0, "acc": correct, "pred": pred}

@@ -290,7 +290,8 @@ def test_forwards_attend_to_tool_answers_in_every_layout(tiny_model_dir, layout)
     """With response_attention_mask, each layout's logprobs at every response token equal a plain forward over the
     whole sequence (prompt, turns, tool answers): the tool tokens are seen, though response_mask is 0 there."""
     from transformers import AutoModelForCausalLM
-    from infra.batches import forward_logprobs, use_varlen_attention
+    from infra.batches import forward_logprobs
+    from infra.layouts import use_varlen_attention
     from rollout import left_pad, right_pad
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()

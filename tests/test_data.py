@@ -84,6 +84,24 @@ def test_defaults_and_numeric_ground_truth(tmp_path):
     assert [(r["ground_truth"], r["data_source"], r["extra_info"]) for r in rows] == [("72", "unknown", {}), (None, "unknown", {})]
 
 
+
+def test_a_nan_ground_truth_is_missing_never_the_text_nan():
+    """NaN (how pandas writes a missing number) reads as None, not "nan" (which a rule could match); a rule that
+    compares with the ground truth refuses null, NaN, empty and "nan" rows, naming the row and the rule; without
+    such a rule (rule_of gives None: a custom function, a reward model) the row is kept."""
+    assert data.ground_truth_of({"ground_truth": float("nan")}) is None
+    assert data.ground_truth_of({"reward_model": {"ground_truth": 3.0}}) == "3"
+    rule_of = {"math": "verl_rules.dapo"}.get
+    for truth, reads in ((None, "null"), (float("nan"), "NaN"), ("  ", "empty"), ([], "empty"),
+                         ("-NaN", "the text '-NaN' (a missing number written out)")):
+        with pytest.raises(data.DataError) as e:
+            data.check_ground_truth({"ground_truth": truth, "data_source": "math"}, "f.parquet row 3: ", rule_of)
+        assert str(e.value) == (f"f.parquet row 3: the ground truth is {reads}, but data_source 'math' is scored by "
+                                f"verl_rules.dapo, which compares each response with it; fill it in or drop the row")
+    data.check_ground_truth({"ground_truth": None, "data_source": "other"}, "", rule_of)
+    data.check_ground_truth({"ground_truth": "7", "data_source": "math"}, "", rule_of)
+
+
 LONG = [{"prompt": "hello"}, {"prompt": " ".join(["hello"] * 20)}, {"prompt": "be brief"}]
 
 

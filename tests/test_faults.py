@@ -6,6 +6,8 @@ Bad inputs run ppo.main / reward_model.main in this process with model loading m
 subprocess runs cover what only a real process shows: exit codes, a clean stderr, 2 processes, signals,
 a lock holder killed with SIGKILL.
 """
+import json
+import math
 import os
 import shutil
 import signal
@@ -83,6 +85,60 @@ def tokenizer_only(path, chat_template=True):
     return path
 
 
+PLANTED = """
+open({marker!r}, "w").close()  # what a model folder's code could do: it must never run
+"""
+
+
+def planted_folder(path, root, tmp, part="model"):
+    """A copy of the tiny model whose config.json (part="model") or tokenizer_config.json (part="tokenizer") maps its
+    classes to planted.py, a file that leaves tmp/RAN behind when imported; the model type and tokenizer class are
+    ones transformers does not have, so only that code could load them."""
+    import json
+    shutil.copytree(root / "model", path)
+    name = "config.json" if part == "model" else "tokenizer_config.json"
+    config = json.loads((path / name).read_text())
+    if part == "model":
+        config.update(model_type="planted_llama", auto_map={"AutoConfig": "planted.PlantedConfig",
+                                                            "AutoModelForCausalLM": "planted.PlantedModel"})
+    else:
+        config.update(tokenizer_class="PlantedTokenizer",
+                      auto_map={"AutoTokenizer": ["planted.PlantedTokenizer", None]})
+    (path / name).write_text(json.dumps(config))
+    write(path / "planted.py", PLANTED.format(marker=str(tmp / "RAN")))
+    return path
+
+
+def pickled_folder(path, root, tmp, weights="pytorch_model.bin"):
+    """A copy of the tiny model whose weights are a pickle (what torch.save writes) instead of safetensors; it holds
+    a payload that would leave tmp/RAN behind if it were ever unpickled."""
+    shutil.copytree(root / "model", path)
+    (path / "model.safetensors").unlink()
+    subprocess.run([sys.executable, "-c", PAYLOAD.format(marker=tmp / "RAN", paths=[str(path / weights)])], check=True)
+    return path
+
+
+def adapter_folder(path, root):
+    """A LoRA adapter folder as ppo.py's final/ holds one (adapter_config.json naming its base, and the weights)."""
+    import json
+    write(path / "adapter_config.json", json.dumps({"peft_type": "LORA", "base_model_name_or_path": str(root / "model"),
+                                                    "r": 8, "target_modules": ["q_proj"]}))
+    write(path / "adapter_model.safetensors", "")
+    return path
+
+
+def ground_truths_file(path, *truths):
+    """Arithmetic prompts (scored by the built-in rule, which compares with the ground truth: the cases set
+    reward.function=null) with these truths."""
+    pq.write_table(pa.table({"prompt": [f"What is {i} + 1?" for i in range(len(truths))], "ground_truth": list(truths),
+                             "data_source": ["arithmetic"] * len(truths)}), str(path))
+    return path
+
+
+GROUND_TRUTH_SENTENCE = ("{tmp}/g.parquet row 1: the ground truth is %s, but data_source 'arithmetic' is scored by "
+                         "library.arithmetic_score, which compares each response with it; fill it in or drop the row")
+
+
 # case → (setup(tmp, root) → overrides, the sentence, formatted with {tmp} and {root})
 PPO_CASES = {
     "reward file missing": (lambda tmp, root: [f"reward.function={tmp}/nope.py:compute_score"],
@@ -122,6 +178,41 @@ PPO_CASES = {
     "rollback without a best metric": (lambda tmp, root: ["trainer.rollback_tolerance=0.1"],
                                        "trainer.rollback_tolerance rolls back to the best checkpoint: set "
                                        "trainer.best_metric too"),
+    # issue 24: no code from a model folder, no pickles, no adapter as a model, ground truths checked on reading
+    "model folder with code": (lambda tmp, root: [f"model.path={planted_folder(tmp / 'planted', root, tmp)}"],
+                               "model.path: {tmp}/planted/config.json maps its classes to code in the folder "
+                               "(planted.py), which runs only with model.trust_remote_code=true; set it if you trust "
+                               "that code, or give a folder transformers loads by itself"),
+    "tokenizer with code": (lambda tmp, root: [f"model.path={planted_folder(tmp / 'p', root, tmp, 'tokenizer')}"],
+                            "model.path: {tmp}/p/tokenizer_config.json maps its classes to code in the folder "
+                            "(planted.py), which runs only with model.trust_remote_code=true"),
+    "critic backbone with code": (lambda tmp, root: ["algorithm.adv_estimator=gae",
+                                                     f"critic.model_path={planted_folder(tmp / 'c', root, tmp)}"],
+                                  "critic.model_path: {tmp}/c/config.json maps its classes to code in the folder"),
+    "pickle weights": (lambda tmp, root: [f"model.path={pickled_folder(tmp / 'pk', root, tmp)}"],
+                       "model.path: {tmp}/pk holds only pickle weights (pytorch_model.bin), which this library does "
+                       "not load (unpickling can run code); convert them to safetensors once, where you trust the "
+                       "file: python -c \"from transformers import LlamaForCausalLM as M; "
+                       "M.from_pretrained('{tmp}/pk').save_pretrained('{tmp}/pk')\""),
+    "reward model of pickles": (lambda tmp, root: ["reward.type=model",
+                                                   f"reward.model_path={pickled_folder(tmp / 'rm', root, tmp)}"],
+                                "reward.model_path: {tmp}/rm holds only pickle weights (pytorch_model.bin)"),
+    "adapter as model.path": (lambda tmp, root: [f"model.path={adapter_folder(tmp / 'final', root)}"],
+                              "model.path: {tmp}/final is a LoRA adapter (adapter_config.json), not a whole model; "
+                              "merge it into its base first, python tools/merge_lora.py {tmp}/final "
+                              "{tmp}/final-merged, and give {tmp}/final-merged"),
+    "NaN ground truth": (lambda tmp, root: [f"data.train_files={ground_truths_file(tmp / 'g.parquet', 3.0, math.nan)}",
+                                  "reward.function=null"],
+                         GROUND_TRUTH_SENTENCE % "NaN"),
+    "null ground truth": (lambda tmp, root: [f"data.train_files={ground_truths_file(tmp / 'g.parquet', '3', None)}",
+                                  "reward.function=null"],
+                          GROUND_TRUTH_SENTENCE % "null"),
+    "empty ground truth": (lambda tmp, root: [f"data.train_files={ground_truths_file(tmp / 'g.parquet', '3', ' ')}",
+                                  "reward.function=null"],
+                           GROUND_TRUTH_SENTENCE % "empty"),
+    "'nan' ground truth": (lambda tmp, root: [f"data.val_files={ground_truths_file(tmp / 'g.parquet', '3', 'nan')}",
+                                  "reward.function=null"],
+                           GROUND_TRUTH_SENTENCE % "the text 'nan' (a missing number written out)"),
     "fixed key changed on resume": (
         lambda tmp, root: [f"trainer.output_dir={checkpoint_of(root, tmp / 'out', 'model.lora_rank=8')}",
                            "model.lora_rank=4"],
@@ -138,6 +229,7 @@ def test_ppo_bad_input_fails_in_one_sentence_before_any_model_loads(workdir, tmp
     with pytest.raises((config.ConfigError, data.DataError)) as e:
         ppo.main(cfg)
     assert message.format(tmp=tmp_path, root=workdir) in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "RAN").exists(), "code from a model folder, or a pickle, ran"
 
 
 RM_CASES = {
@@ -151,6 +243,11 @@ RM_CASES = {
                            "{tmp}/p.parquet row 0: `margin` must be a finite number or null, got 'x'"),
     "resume path missing": (lambda tmp, root: [f"reward_model.resume={tmp}/step_3"],
                             "reward_model.resume: {tmp}/step_3 is not a checkpoint"),
+    "backbone with code": (lambda tmp, root: [f"reward_model.model_path={planted_folder(tmp / 'b', root, tmp)}"],
+                           "reward_model.model_path: {tmp}/b/config.json maps its classes to code in the folder "
+                           "(planted.py), which runs only with reward_model.trust_remote_code=true"),
+    "backbone of pickles": (lambda tmp, root: [f"reward_model.model_path={pickled_folder(tmp / 'b', root, tmp)}"],
+                            "reward_model.model_path: {tmp}/b holds only pickle weights (pytorch_model.bin)"),
 }
 
 
@@ -163,10 +260,12 @@ def test_reward_model_bad_input_fails_in_one_sentence_before_any_model_loads(wor
     with pytest.raises((config.ConfigError, data.DataError)) as e:
         reward_model.main(cfg)
     assert message.format(tmp=tmp_path, root=workdir) in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "RAN").exists(), "code from a model folder, or a pickle, ran"
 
 
 @pytest.mark.parametrize("override, sentence", [
     ("rollout.top_p=1.5", "config key `rollout.top_p` must be in (0, 1], got 1.5"),  # found while parsing
+    ("actor.optim.betas=[0.9]", "config key `actor.optim.betas` must hold 2 values, got 1: [0.9]"),  # was IndexError
     ("trainer.resume={tmp}/step_5", "trainer.resume: {tmp}/step_5 is not a checkpoint (a step_<N> folder written by "
                                     "a run, under its own name); give one, or auto (the latest in output_dir), or off"),
 ])
@@ -452,3 +551,51 @@ def test_resuming_never_unpickles_a_planted_file(workdir, tmp_path):
     # the payload itself works: unpickling one runs it
     subprocess.run([sys.executable, "-c", f"import pickle; pickle.load(open({planted[0]!r}, 'rb'))"], check=True)
     assert marker.exists()
+
+
+# ---- config files (issue 24): a key twice, aliases, values quoted in errors, fixed-length lists
+
+BILLION_LAUGHS = "a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
+    f"{b}: &{b} [{', '.join(['*' + a] * 9)}]\n" for a, b in zip("abcdefg", "bcdefgh")) + "trainer:\n  logger: *h\n"
+
+
+@pytest.mark.parametrize("text, sentence", [
+    ("trainer:\n  total_steps: 3\nmodel:\n  lora_rank: 4\ntrainer:\n  save_freq: 1\n",
+     "line 5: `trainer` is given twice in the same section (first on line 1); keep one"),
+    ("trainer:\n  total_steps: 3\n  total_steps: 4\n",
+     "line 3: `total_steps` is given twice in the same section (first on line 2); keep one"),
+    (BILLION_LAUGHS, "line 2: `*a` is a YAML alias, which config files may not use; write the value out"),
+], ids=["section twice", "key twice", "alias bomb"])
+def test_a_config_file_with_a_key_twice_or_an_alias_fails_naming_the_line(tmp_path, text, sentence):
+    """PyYAML keeps the last of two equal keys (a second `trainer:` block silently dropped the first) and expands
+    aliases without bound (9⁸ strings here: MemoryError after ~45 s): both now fail at once, naming file and line."""
+    path = write(tmp_path / "c.yaml", text)
+    start = time.perf_counter()
+    with pytest.raises(config.ConfigError) as e:
+        cli.load_config(str(path))
+    assert str(e.value) == f"config file {path} {sentence}" and time.perf_counter() - start < 2
+
+
+def test_an_error_quotes_at_most_a_few_hundred_characters_of_a_value(tmp_path):
+    """A megabyte string given to a boolean key, and a 100 × 100 list given to an integer key (from the command line
+    and from a file), each fail with a sentence of under 500 characters that still shows how the value begins."""
+    nested = "[" + ", ".join(["[" + ", ".join(["7"] * 100) + "]"] * 100) + "]"
+    path = write(tmp_path / "c.yaml", f"trainer:\n  total_steps: {nested}\n")
+    for file, overrides, start in ((None, ["data.shuffle=" + "x" * 1_000_000], "'xxx"),
+                                   (None, ["model.lora_rank=" + nested], "'[[7, 7"),
+                                   (str(path), [], "[[7, 7")):
+        with pytest.raises(config.ConfigError) as e:
+            cli.load_config(file, overrides)
+        assert len(str(e.value)) < 500 and f"got {start}" in str(e.value), str(e.value)[:600]
+
+
+def test_metrics_jsonl_is_strict_json_with_non_finite_values_as_null(tmp_path):
+    """NaN and ±inf are written as null: json.dumps would write NaN / Infinity, which strict JSON readers refuse."""
+    from infra.metrics import MetricsLogger
+    logger = MetricsLogger(str(tmp_path), [], {}, "p", "n", enabled=True)
+    logger.log({"a": float("nan"), "b": float("inf"), "c": -float("inf"), "d": 1.5}, 1)
+
+    def refuse(name):
+        raise AssertionError(f"{name} in metrics.jsonl")
+    line = (tmp_path / "metrics.jsonl").read_text()
+    assert json.loads(line, parse_constant=refuse) == {"step": 1, "a": None, "b": None, "c": None, "d": 1.5}

@@ -138,7 +138,7 @@ def template_file(tmp_path_factory):
 def judge_config(url, template_file, *overrides):
     return load_config(None, ["reward.type=judge", f"reward.judge.base_url={url}",
                               f"reward.judge.prompt_template={template_file}", "reward.judge.parser=yes_no",
-                              "reward.judge.backoff=0.05", *overrides]).reward
+                              "reward.judge.backoff_s=0.05", *overrides]).reward
 
 
 def right_or_wrong(prompt: str) -> str:
@@ -162,11 +162,11 @@ def test_a_batch_is_scored_with_bounded_concurrency(stub, template_file):
 
 def test_overloaded_server_is_retried_with_backoff(stub, template_file):
     """Two 503s, then answers: with max_retries=2 the request succeeds on its third attempt, after waiting
-    backoff + 2·backoff; with max_retries=1 it is an error, counted, and scores 0."""
+    backoff_s + 2·backoff_s; with max_retries=1 it is an error, counted, and scores 0."""
     from judge import Judge
     server = stub(failures=2)
     judge = Judge(judge_config(server.url, template_file, "reward.judge.max_retries=2",
-                               "reward.judge.backoff=0.2").judge)
+                               "reward.judge.backoff_s=0.2").judge)
     start = time.monotonic()
     assert judge(ROWS[:1], ["7"]).scores == [1.0]
     assert server.requests == 3 and time.monotonic() - start >= 0.6
@@ -176,11 +176,11 @@ def test_overloaded_server_is_retried_with_backoff(stub, template_file):
 
 
 def test_a_slow_judge_times_out_into_a_counted_error(stub, template_file):
-    """A reply slower than reward.judge.timeout: each attempt gives up at the timeout, and after its retries the
+    """A reply slower than reward.judge.timeout_s: each attempt gives up at the timeout, and after its retries the
     sample is an error (APITimeoutError) that scores 0, well before the server would have answered."""
     from judge import Judge
     server = stub(delay=5.0)
-    judge = Judge(judge_config(server.url, template_file, "reward.judge.timeout=0.3",
+    judge = Judge(judge_config(server.url, template_file, "reward.judge.timeout_s=0.3",
                                "reward.judge.max_retries=1").judge)
     start = time.monotonic()
     judged = judge(ROWS, ["7", "11"])
@@ -326,7 +326,7 @@ def test_vllm_server_scores_a_batch_and_its_failures_are_counted(vllm_judge, tem
     cfg.judge.parser = "number"
     unparsed = Judge(cfg.judge)(ROWS, ["7", "11"])
     assert unparsed.errors == 2 and "no number in the judge's answer 'yes'" in unparsed.first_error
-    cfg.judge.parser, cfg.judge.timeout, cfg.judge.max_retries = "yes_no", 0.001, 0
+    cfg.judge.parser, cfg.judge.timeout_s, cfg.judge.max_retries = "yes_no", 0.001, 0
     slow = Judge(cfg.judge)(ROWS, ["7", "11"])
     assert slow.errors == 2 and "APITimeoutError" in slow.first_error
 

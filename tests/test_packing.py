@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from infra import batches
+from infra import batches, layouts
 from infra.models import load_critic
 from conftest import make_tiny_model
 from infra.batches import forward_logprobs, forward_values, micro_batch, per_token_pass
@@ -28,13 +28,13 @@ def random_batch(B=6, vocab=200, seed=0, n=1):
 
 @pytest.fixture(scope="module", params=[2, 1], ids=["mha", "gqa"])
 def models(tmp_path_factory, request):
-    """Policy and critic with batches.varlen_sdpa, as ppo.py sets it under packing (padded forwards unchanged): with
+    """Policy and critic with layouts.varlen_sdpa, as ppo.py sets it under packing (padded forwards unchanged): with
     2 KV heads for the 2 query heads, and with 1 (grouped-query attention, as Qwen2.5's 14 query / 2 KV heads)."""
     path = make_tiny_model(tmp_path_factory.mktemp("packing"), kv_heads=request.param)
     policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(DEVICE).eval()
     value_model = load_critic(path).to(DEVICE).eval()
     for model in (policy, value_model):
-        batches.use_varlen_attention(model)
+        layouts.use_varlen_attention(model)
     return policy, value_model
 
 
@@ -69,7 +69,7 @@ def test_packed_gradients_equal_padded_and_take_the_packed_attention(tmp_path, m
     packed logprobs equals the padded path's (prompts shared by 3 responses, rows shuffled), also when
     the layers are recomputed in the backward pass (gradient checkpointing) and with grouped-query attention; a
     padded forward under varlen_sdpa is transformers' SDPA unchanged."""
-    calls, varlen_sdpa = [], batches.varlen_sdpa
+    calls, varlen_sdpa = [], layouts.varlen_sdpa
 
     def counted(*args, packed_attention=None, **kwargs):
         calls.append(packed_attention is not None)
@@ -85,8 +85,8 @@ def test_packed_gradients_equal_padded_and_take_the_packed_attention(tmp_path, m
     results = []
     for layout in ("padded", "packed", "padded"):
         if len(results) == 1:
-            monkeypatch.setattr(batches, "varlen_sdpa", counted)
-            batches.use_varlen_attention(policy)
+            monkeypatch.setattr(layouts, "varlen_sdpa", counted)
+            layouts.use_varlen_attention(policy)
         policy.zero_grad()
         logprobs, entropy = forward_logprobs(policy, mb, 0.8, None, True, layout)
         (logprobs * mask).sum().backward()
@@ -111,7 +111,7 @@ def test_packed_grouped_query_attention_calls_sdpa_in_a_form_cuda_kernels_take(t
         return sdpa(q, k, v, **kwargs)
 
     policy = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path, kv_heads=1), dtype=torch.float32)
-    batches.use_varlen_attention(policy)
+    layouts.use_varlen_attention(policy)
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recorded)
     with torch.no_grad():
         forward_logprobs(policy, {k: v for k, v in random_batch(B=6, seed=6, n=3).items()}, 1.0, None, False, "packed")
@@ -127,7 +127,7 @@ def test_packed_grouped_query_attention_runs_without_the_math_kernel_on_cuda(tmp
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     policy = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path, kv_heads=1), dtype=torch.float32).cuda()
-    batches.use_varlen_attention(policy)
+    layouts.use_varlen_attention(policy)
     mb = shuffled_batch(12, seed=7, n=3)
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
         logprobs, _ = forward_logprobs(policy, mb, 1.0, dtype, False, "packed")
@@ -195,11 +195,11 @@ def test_micro_batch_trims_padding_columns():
 
 
 def test_packed_inputs_worked_example():
-    """batches.packed_inputs' docstring example holds: prompt A = 11 12 with responses 31 32 and 33, prompt B =
+    """layouts.packed_inputs' docstring example holds: prompt A = 11 12 with responses 31 32 and 33, prompt B =
     21 22 23 with 41 42 give that packed row, those positions, what each group's queries see, and `keep`."""
     queries, query_mask = left_pad([[11, 12], [11, 12], [21, 22, 23]], 0)
     responses, response_mask = right_pad([[31, 32], [33], [41, 42]], 0)
-    inputs, keep = batches.packed_inputs(dict(queries=queries, query_mask=query_mask, responses=responses,
+    inputs, keep = layouts.packed_inputs(dict(queries=queries, query_mask=query_mask, responses=responses,
                                               response_mask=response_mask))
     ids = inputs["input_ids"][0]
     assert ids.tolist() == [11, 12, 21, 22, 23, 31, 32, 33, 41, 42]

@@ -162,26 +162,30 @@ def other(data_source, solution_str, ground_truth, extra_info=None):
 
 
 def test_load_reward_function_from_a_file(tmp_path):
-    """None gives the built-ins; path.py:name (or path.py, meaning compute_score) gives that function."""
+    """None gives the built-ins (in this process); path.py:name (or path.py, meaning compute_score) gives that
+    function, run in a worker process and called by keyword as verl calls it."""
     path = tmp_path / "my_reward.py"
     path.write_text(VERL_STYLE)
-    assert rewards.load_reward_function(None) is default_compute_score
-    assert rewards.load_reward_function(f"{path}:other")("x", "y", "z") == 0.5
-    assert rewards.load_reward_function(str(path))("x", "7 ", "7") == {"score": 1.0, "length": 2}
+    assert rewards.load_reward_function(None, 5) is default_compute_score
+    row = [{"data_source": "x", "ground_truth": "7", "extra_info": {}}]
+    assert rewards.score_responses(rewards.load_reward_function(f"{path}:other", 5), row, ["y"]) == ([0.5], {}, 0)
+    worker = rewards.load_reward_function(str(path), 5)
+    assert worker.proc.pid != os.getpid()
+    assert rewards.score_responses(worker, row, ["7 "]) == ([1.0], {"length": [2.0]}, 0)
 
 
 def test_load_reward_function_errors_name_the_file_and_the_function(tmp_path):
     """A missing file or a missing function is named, with the functions the file does define."""
     with pytest.raises(ConfigError, match=r"file .*nope.py does not exist"):
-        rewards.load_reward_function(f"{tmp_path}/nope.py:f")
+        rewards.load_reward_function(f"{tmp_path}/nope.py:f", 5)
     path = tmp_path / "my_reward.py"
     path.write_text(VERL_STYLE)
     with pytest.raises(ValueError, match=r"has no function `missing`; callables found there: \['compute_score', 'other'\]"):
-        rewards.load_reward_function(f"{path}:missing")
+        rewards.load_reward_function(f"{path}:missing", 5)
     bad = tmp_path / "broken.py"
     bad.write_text("import not_a_module_xyz\n")
     with pytest.raises(ValueError, match=r"importing .*broken.py failed: ModuleNotFoundError"):
-        rewards.load_reward_function(f"{bad}:f")
+        rewards.load_reward_function(f"{bad}:f", 5)
 
 
 # ---- score_responses
@@ -195,11 +199,13 @@ def test_score_responses_with_the_built_ins():
 
 
 def test_score_responses_collects_numeric_dict_keys():
-    """A dict result gives its "score"; its other numeric keys are gathered per key, non-numbers ignored."""
+    """A dict result gives its "score"; its other numeric keys are gathered per key, non-numbers ignored but for
+    "pred" (verl's answer as read, kept as text for maj@k)."""
     def fn(data_source, solution_str, ground_truth, extra_info=None):
         return {"score": 1.0, "acc": True, "length": len(solution_str), "pred": solution_str}
     scores, extras, errors = rewards.score_responses(fn, ROWS, ["a", "bb", "ccc"])
-    assert scores == [1.0, 1.0, 1.0] and extras == {"acc": [1.0, 1.0, 1.0], "length": [1.0, 2.0, 3.0]} and errors == 0
+    assert scores == [1.0, 1.0, 1.0] and extras == {"acc": [1.0, 1.0, 1.0], "length": [1.0, 2.0, 3.0],
+                                                    "pred": ["a", "bb", "ccc"]} and errors == 0
 
 
 def test_score_responses_counts_a_raising_function_and_carries_on():
@@ -279,3 +285,17 @@ def test_an_unknown_data_source_with_the_built_ins_stops_the_run():
     rows = [{"data_source": "my/data", "ground_truth": "1", "extra_info": {}}] * 2
     with pytest.raises(rewards.RewardError, match=r"first error: ValueError: no built-in reward for data_source"):
         rewards.score_responses(default_compute_score, rows, ["1", "2"])
+
+
+@pytest.mark.parametrize("data_source", ["lighteval/MATH", "math_dapo", "numina_olympiads", "boxed", "gsm8k",
+                                         "openai/gsm8k"])
+def test_a_ground_truth_that_reads_nan_matches_nothing(data_source):
+    """A NaN ground truth turned into the text "nan" once scored \\boxed{nan} as right under the MATH, DAPO, PRIME
+    (numina) and boxed rules, a reward a policy could learn to game: now no answer matches it, while a real ground
+    truth still matches its answer."""
+    def score(response, truth):
+        result = default_compute_score(data_source, response, truth)
+        return result["score"] == 1.0 if isinstance(result, dict) else result == 1.0
+    for truth in ("nan", "NaN", " -nan "):
+        assert not any(score(r, truth) for r in ("\\boxed{nan}", "\\boxed{NaN}", "Answer: nan", "#### nan", "nan"))
+    assert score("\\boxed{5}" if "gsm8k" not in data_source else "#### 5", "5")

@@ -118,7 +118,7 @@ def test_missing_base_is_one_sentence(tmp_path):
 
 
 def test_saved_adapter_records_an_absolute_base(tmp_path, monkeypatch):
-    """utils.save_pretrained_atomic (ppo.py's final/) writes a local base folder as an absolute path, so the
+    """infra.models.save_pretrained_atomic (ppo.py's final/) writes a local base folder as an absolute path, so the
     adapter loads from any directory even when model.path was relative."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -128,7 +128,7 @@ def test_saved_adapter_records_an_absolute_base(tmp_path, monkeypatch):
     make_tiny_model(tmp_path / "base")
     monkeypatch.chdir(tmp_path)
     model = get_peft_model(AutoModelForCausalLM.from_pretrained("base"), LoraConfig(r=4, target_modules=["q_proj"]))
-    save_pretrained_atomic(model, AutoTokenizer.from_pretrained("base"), "final")
+    save_pretrained_atomic(model, AutoTokenizer.from_pretrained("base"), "final", overwrite=False)
     with open(tmp_path / "final" / "adapter_config.json") as f:
         assert json.load(f)["base_model_name_or_path"] == str(tmp_path / "base")
 

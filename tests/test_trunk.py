@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import free_port, make_tiny_model, read_metrics
-from infra import batches
+from infra import batches, layouts
 from infra.batches import Forward, micro_batch, per_token_pass
 from infra.models import add_lora, load_critic, load_policy
 from infra.trunk import plan_trunk, Replay, Trunk
@@ -83,7 +83,7 @@ def test_forwards_from_the_trunk_equal_whole_forwards(model_dirs, layout, arch):
     policy, whole_critic, top_critic = lora_models(model_dirs[arch])
     if layout == "packed":
         for model in (policy, whole_critic, top_critic):
-            batches.use_varlen_attention(model)
+            layouts.use_varlen_attention(model)
     batch = random_batch(B=12, seed=3, n=3)
     lengths = (batch["query_mask"].sum(1) + batch["response_mask"].sum(1)).tolist()
     whole, shared = Forward(0.8, None, layout), Forward(0.8, None, layout, Trunk(LAYERS - TOP, LAYERS, critic=True))

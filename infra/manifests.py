@@ -1,0 +1,105 @@
+"""What a checkpoint holds and what it was trained from: each checkpoint folder's manifest.json lists the size and
+sha256 of every file written into it and the fingerprints of the base models (runs.save_checkpoint writes it,
+runs.intact_resume and runs.record_bases check it before any model loads).
+
+    {"files": {"state.json": {"size": 159, "sha256": "acb2…"}, "tensors/shard-00001-….safetensors": {…}, …},
+     "base_models": {"model.path": {"path": "models/SmolLM2-135M-Instruct", "fingerprint": "6d9d…"}}}
+"""
+import hashlib
+import json
+import os
+from typing import Optional
+
+MANIFEST = "manifest.json"
+
+
+def sha256_of(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_manifest(folder: str, base_models: dict) -> None:
+    """folder/manifest.json: the size and sha256 of every file in `folder`, and `base_models` ({key: {"path",
+    "fingerprint"}}: what the checkpoint was trained from)."""
+    files = {}
+    for root, _, names in os.walk(folder):
+        for name in sorted(names):
+            path = os.path.join(root, name)
+            files[os.path.relpath(path, folder)] = {"size": os.path.getsize(path), "sha256": sha256_of(path)}
+    with open(os.path.join(folder, MANIFEST), "w") as f:
+        json.dump({"files": files, "base_models": base_models}, f, indent=1)
+
+
+def checkpoint_problem(folder: str) -> Optional[str]:
+    """What is wrong with the checkpoint `folder` (the first damaged file and how), or None when every file its
+    manifest lists has its size and sha256. A checkpoint from before manifests needs a readable state.json."""
+    manifest = os.path.join(folder, MANIFEST)
+    if not os.path.exists(manifest):
+        try:
+            with open(os.path.join(folder, "state.json")) as f:
+                json.load(f)
+        except (OSError, ValueError) as e:
+            return f"{folder}/state.json is damaged ({type(e).__name__})"
+        return None
+    try:
+        with open(manifest) as f:
+            files = json.load(f)["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{manifest} is damaged ({type(e).__name__})"
+    for name, want in files.items():
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            return f"{path} is missing"
+        if os.path.getsize(path) != want["size"]:
+            return f"{path} is {os.path.getsize(path)} bytes, {want['size']} when it was written"
+        if sha256_of(path) != want["sha256"]:
+            return f"{path} has changed since it was written (its sha256 differs)"
+    return None
+
+
+def fingerprint(folder: str) -> Optional[str]:
+    """What identifies a model folder's weights beyond its path: sha256 over config.json and, per *.safetensors
+    file, its header (every tensor's name, dtype, shape, offsets) and 3 × 1 KiB of every tensor (its start, middle
+    and end), so a few MiB are read whatever the model's size. Training or merging changes every element of a
+    tensor it touches, so new weights at the same path change this. None for a hub id (no local folder)."""
+    if not os.path.isdir(folder):
+        return None
+    digest = hashlib.sha256()
+    for name in ["config.json"] + sorted(f for f in os.listdir(folder) if f.endswith(".safetensors")):
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            continue
+        digest.update(name.encode())
+        with open(path, "rb") as f:
+            if not name.endswith(".safetensors"):
+                digest.update(f.read())
+                continue
+            try:
+                size = int.from_bytes(f.read(8), "little")
+                if size > os.path.getsize(path) - 8:
+                    raise ValueError("the header is longer than the file")
+                header = f.read(size)
+                tensors = json.loads(header)
+            except ValueError:  # not a safetensors file after all: its size and first MiB
+                f.seek(0)
+                digest.update(f"{os.path.getsize(path)}".encode() + f.read(1 << 20))
+                continue
+            digest.update(header)
+            for tensor in sorted(k for k in tensors if k != "__metadata__"):
+                start, end = tensors[tensor]["data_offsets"]
+                for at in (start, (start + end) // 2, max(start, end - 1024)):
+                    f.seek(8 + size + at)
+                    digest.update(f.read(min(1024, end - at)))
+    return digest.hexdigest()
+
+
+def recorded_bases(checkpoint: str) -> dict:
+    """The base models a checkpoint's manifest records ({} for a checkpoint from before manifests)."""
+    path = os.path.join(checkpoint, MANIFEST)
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f).get("base_models", {})

@@ -1,0 +1,110 @@
+"""ppo.py's run state beyond weights: TrainState (the step, data position, β, schedules, best and rollbacks, as plain
+data), resuming it, best/ (trainer.best_metric: the checkpoint of the best validation, never pruned) with its
+rollback (trainer.rollback_tolerance), and the final export (final/, curves.png). The folder itself is runs.py's."""
+import os
+from typing import Optional
+
+import torch
+
+from infra import cli
+from infra.config import ConfigError
+from infra.distributed import full_state_dict, load_training_state, rng_state, set_rng_state
+from infra.metrics import MetricsLogger, plot_curves, wandb_resume_id
+from infra.models import save_pretrained_atomic
+from infra.optim import restore_schedule
+from infra.runs import BEST, best_step, resume_or_start, save_checkpoint
+
+
+class TrainState:
+    """What a checkpoint of ppo.py needs beyond weights and optimiser states, as plain data: the step, the data
+    position, β (kl_ctrl: kl.KLController), recent KL, how far each LR schedule has gone, the best validation and
+    the rollbacks so far."""
+
+    def __init__(self, kl_ctrl, schedulers: dict):
+        self.step, self.epoch, self.position, self.skipped, self.kl_ctrl = 0, 0, 0, 0, kl_ctrl
+        self.recent_kl = []  # kl/mean of the last trainer.max_kl_window steps, for the guard
+        self.schedulers = {name: s for name, s in schedulers.items() if s is not None}
+        self.best, self.rollbacks = None, 0  # best: {"step", "value"} of trainer.best_metric, saved in best/
+
+    def state_dict(self):
+        return {"step": self.step, "epoch": self.epoch, "position": self.position, "skipped": self.skipped,
+                "kl_coef": self.kl_ctrl.value, "recent_kl": self.recent_kl, "best": self.best,
+                "rollbacks": self.rollbacks, "lr_steps": {name: s.last_epoch for name, s in self.schedulers.items()}}
+
+    def load_state_dict(self, s):
+        self.step, self.epoch, self.position, self.skipped = s["step"], s["epoch"], s["position"], s["skipped"]
+        self.kl_ctrl.value, self.recent_kl = s["kl_coef"], s["recent_kl"]
+        self.best, self.rollbacks = s.get("best"), s.get("rollbacks", 0)  # absent in older checkpoints
+        for name, scheduler in self.schedulers.items():
+            restore_schedule(scheduler, s["lr_steps"][name])
+
+    def next_prompts(self, num_rows: int, batch_size: int, seed: int, shuffle: bool) -> list[int]:
+        """The next `batch_size` row indices of a seeded per-epoch permutation (the last partial batch is dropped)."""
+        if self.position + batch_size > num_rows:
+            self.epoch, self.position = self.epoch + 1, 0
+        order = (torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + self.epoch))
+                 if shuffle else torch.arange(num_rows))
+        inds = order[self.position:self.position + batch_size].tolist()
+        self.position += batch_size
+        return inds
+
+
+def resume(accelerator, cfg, checkpoint, checkpointed: dict, state: TrainState):
+    """ppo.py's MetricsLogger; from a checkpoint (start_run's, or None), the models and optimisers of
+    `checkpointed` ({name: (model, optimiser)}) and `state` restored."""
+    t = cfg.trainer
+    logger = MetricsLogger(t.output_dir, t.logger, cli.to_dict(cfg), t.project_name, t.experiment_name,
+                           accelerator.is_main_process, resume_id=wandb_resume_id(checkpoint))
+    saved_state = resume_or_start(accelerator, checkpoint, t.output_dir, logger, cfg, checkpointed)
+    if checkpoint:
+        state.load_state_dict(saved_state)
+        accelerator.print(f"resumed from {checkpoint} at step {state.step}")
+    return logger
+
+
+def save_final(accelerator, policy, tokenizer, cfg) -> None:
+    """The policy in HF format in output_dir/final (with LoRA: the adapter), and curves.png from metrics.jsonl."""
+    t = cfg.trainer
+    final, metrics_path = os.path.join(t.output_dir, "final"), os.path.join(t.output_dir, "metrics.jsonl")
+    state_dict = full_state_dict(policy)  # every process takes part in gathering the shards
+    if accelerator.is_main_process:
+        save_pretrained_atomic(accelerator.unwrap_model(policy), tokenizer, final, state_dict, overwrite=True,
+                               inputs=(cfg.model.path,))  # this run's own final/, never the model it started from
+        accelerator.print(f"policy saved to {final}" + (f"; merge the adapter with: python tools/merge_lora.py {final} "
+                                                        f"{t.output_dir}/merged" if cfg.model.lora_rank else ""))
+        if t.plot_curves and os.path.exists(metrics_path):
+            plot_curves(metrics_path, os.path.join(t.output_dir, "curves.png"))  # the panels of metrics.CURVE_KEYS
+
+
+def restore_best(accelerator, output_dir: str, models: dict) -> dict:
+    """A rollback: best/'s weights and optimiser states into `models`, and its plain-data state returned. The RNG
+    is left as it is, so that the run goes on with new samples rather than the best step's again."""
+    rng = rng_state()
+    state = load_training_state(os.path.join(output_dir, BEST), models)
+    set_rng_state(rng)
+    accelerator.wait_for_everyone()
+    return state
+
+
+def keep_best(accelerator, cfg, val_metrics: dict, state: TrainState, checkpointed: dict) -> Optional[str]:
+    """After a validation: best/ saved where trainer.best_metric beats its best so far; with trainer.rollback_tolerance,
+    best/ restored where it falls further than that below it (ppo.py, departure 7), at most trainer.max_rollbacks
+    times. Returns the rollback's sentence, or None. The first validation after step 1 is the first candidate: best/
+    holds optimiser states, which do not exist before the first update."""
+    t = cfg.trainer
+    if t.best_metric not in val_metrics:
+        raise ConfigError(f"trainer.best_metric={t.best_metric} is not a validation metric of this run; it logs "
+                          f"{', '.join(sorted(val_metrics))}")
+    value, best = val_metrics[t.best_metric], state.best
+    if best is None or value > best["value"]:
+        state.best = {"step": state.step, "value": value}
+        save_checkpoint(accelerator, t.output_dir, state.step, 0, checkpointed, state.state_dict(), folder=BEST)
+        return None
+    if (t.rollback_tolerance is None or value >= best["value"] - t.rollback_tolerance
+            or state.rollbacks >= t.max_rollbacks or best_step(t.output_dir) != best["step"]):
+        return None  # best_step differs where a resumed run set a later best/ aside (set_aside_later)
+    saved = restore_best(accelerator, t.output_dir, checkpointed)
+    state.kl_ctrl.value, state.recent_kl, state.rollbacks = saved["kl_coef"], saved["recent_kl"], state.rollbacks + 1
+    return (f"rollback at step {state.step}: {t.best_metric} {value:.4g} fell more than trainer.rollback_tolerance "
+            f"{t.rollback_tolerance} below its best, {best['value']:.4g} at step {best['step']}; best/'s weights, "
+            f"optimiser states and β restored (rollback {state.rollbacks} of at most {t.max_rollbacks})")
