@@ -265,7 +265,11 @@ def test_the_reward_function_reads_the_conversation(tokenizer, tools_file, tmp_p
     ro = ro_.generate([chat(tokenizer, question(3, 4))], n=3, temperature=1.0)
     rows = agent.with_conversations([{"data_source": "x", "ground_truth": "7", "extra_info": {"index": 0}}] * 3, ro)
     texts = [c["turns"][-1]["content"] for c in ro.conversations]
-    scores, extras, errors = score_responses(load_reward_function(f"{tmp_path}/reward.py"), rows, texts)
+    compute_score = load_reward_function(f"{tmp_path}/reward.py", timeout_s=30.0)  # in its worker process
+    try:
+        scores, extras, errors = score_responses(compute_score, rows, texts)
+    finally:
+        compute_score.close()
     assert (scores, extras["num_turns"], errors) == ([1.0, 0.0, 0.0], [4.0, 2.0, 6.0], 0)
 
 
