@@ -505,7 +505,7 @@ def test_export_writes_any_checkpoint_as_an_hf_folder(rollback_run, tmp_path):
     assert not hasattr(model, "peft_config")
     refused = export(out / "best", tmp_path / "best_hf", "--merge")
     assert refused.returncode == 1
-    assert "exists and is not empty; choose another folder, or pass --overwrite" in refused.stderr
+    assert "exists and is not empty (" in refused.stderr and "or pass --overwrite to replace it" in refused.stderr
     assert export(out / "best", tmp_path / "best_hf", "--merge", "--overwrite").returncode == 0
 
 

@@ -36,7 +36,8 @@ def model_dirs(tmp_path_factory):
 def lora_models(path, checkpointing=False):
     """A LoRA actor and a LoRA critic on `path`, whole and on the trunk, with the same weights; lora_B is made
     non-zero so that the adapters change the numbers (PEFT starts it at 0)."""
-    cfg_model = types.SimpleNamespace(path=path, **{**LORA, "gradient_checkpointing": checkpointing})
+    cfg_model = types.SimpleNamespace(path=path, trust_remote_code=False,
+                                      **{**LORA, "gradient_checkpointing": checkpointing})
     torch.manual_seed(0)
     policy = load_policy(cfg_model)
     whole = add_lora(load_critic(path), 4, 8, cfg_model, "TOKEN_CLS")

@@ -45,9 +45,6 @@ def export(checkpoint: str, output_dir: str, merge: bool = False, overwrite: boo
     if not os.path.isfile(saved_config):
         raise ConfigError(f"{saved_config} is missing: the run's config.yaml says how its policy was built; copy it "
                           f"beside the checkpoint folder")
-    if os.path.isdir(output_dir) and os.listdir(output_dir) and not overwrite:
-        raise ConfigError(f"{output_dir} exists and is not empty; choose another folder, or pass --overwrite to "
-                          f"replace it")
     cfg = cli.load_config(saved_config)
     cfg.model.path = find_folder(cfg.model.path, checkpoint)
     cfg.model.gradient_checkpointing = False  # a training setting; nothing here trains
@@ -63,7 +60,8 @@ def export(checkpoint: str, output_dir: str, merge: bool = False, overwrite: boo
         stored = AutoConfig.from_pretrained(cfg.model.path)
         dtype = getattr(stored, "dtype", None) or getattr(stored, "torch_dtype", None) or torch.float32
         policy = policy.merge_and_unload().to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
-    save_pretrained_atomic(policy, load_tokenizer(tokenizer_path), output_dir)
+    save_pretrained_atomic(policy, load_tokenizer(tokenizer_path), output_dir, overwrite=overwrite,
+                           inputs=(cfg.model.path, checkpoint))  # never the base or the checkpoint itself
     return output_dir
 
 
