@@ -69,8 +69,8 @@ $(STAMP): requirements.txt requirements-logging.txt Makefile
 $(MODEL): | $(STAMP)
 	$(PY) tools/prepare_model.py --output models/SmolLM2-135M-Instruct
 
-$(DATA): data.py | $(STAMP)
-	$(PY) data.py --task arithmetic --output data/arithmetic
+$(DATA): data.py tools/prepare_data.py | $(STAMP)
+	$(PY) tools/prepare_data.py --task arithmetic --output data/arithmetic
 
 prepare: $(MODEL) $(DATA)
 
@@ -86,7 +86,7 @@ test: install
 	CUDA_VISIBLE_DEVICES= $(PY) -m pytest -q tests
 
 preferences: | $(STAMP)
-	$(PY) data.py --task arithmetic-preferences --output data/preferences
+	$(PY) tools/prepare_data.py --task arithmetic-preferences --output data/preferences
 
 reward-model: $(MODEL) preferences
 	OMP_NUM_THREADS=$(THREADS) .venv/bin/accelerate launch --num_processes 1 reward_model.py --config configs.yaml
@@ -102,8 +102,8 @@ rlhf: reward-model $(DATA)
 # The agent demo: three-digit sums with a calculator tool the model calls between turns (agent.py); the keys are in
 # examples/agent_calculator.yaml. Logs agent/well_formed_share (samples with a call that could run) and validation.
 AGENT_DATA := data/arithmetic_tool/train.parquet
-$(AGENT_DATA): data.py | $(STAMP)
-	$(PY) data.py --task arithmetic-tool --output data/arithmetic_tool
+$(AGENT_DATA): data.py tools/prepare_data.py | $(STAMP)
+	$(PY) tools/prepare_data.py --task arithmetic-tool --output data/arithmetic_tool
 
 agent: $(MODEL) $(AGENT_DATA)
 	OMP_NUM_THREADS=$(THREADS) .venv/bin/accelerate launch --num_processes 1 ppo.py \

@@ -1,27 +1,17 @@
-"""Datasets as parquet files: RL prompts, preference pairs, and the embedded arithmetic demo.
+"""Datasets as parquet files: reading RL prompts (ours and verl's layout) and preference pairs, with every check a row
+needs before training; writing them; and the embedded demos' rows. tools/prepare_data.py is the command that writes
+them (the demos, or a jsonl file converted):
 
-    python data.py --task arithmetic --output data/arithmetic                 # the PPO demo
-    python data.py --task arithmetic-preferences --output data/preferences    # the reward-model demo
-    python data.py --task arithmetic-tool --output data/arithmetic_tool       # the agent demo (agent.py)
-    python data.py --input gsm8k_train.jsonl --output data/gsm8k --val-fraction 0.05 --seed 0
+    python tools/prepare_data.py --task arithmetic --output data/arithmetic     # the PPO demo
 
-`--output` is always a folder: train.parquet and val.parquet are written inside it.
-`--input` converts a jsonl file; the kind of row is detected from the first line's keys:
-  ours        prompt (string or chat messages) [+ ground_truth, data_source, extra_info] → RL parquet
-  GSM8K       question, answer ending in "#### <n>" → RL parquet, prompted as verl does
-  preference  prompt, chosen, rejected [+ margin] → preference parquet
-  HH-RLHF     chosen, rejected (full "\\n\\nHuman: … \\n\\nAssistant: …" texts) → preference parquet: the
-              shared text through the last "\\n\\nAssistant:" is `prompt`, so prompt + chosen is the original
-
-RL parquet layouts read by `load_rl_dataset`: ours (above), or verl's unchanged (prompt as chat
-messages, reward_model.ground_truth, data_source, extra_info, ability).
+RL parquet layouts read by `load_rl_dataset`: ours (prompt as a string or chat messages, optional ground_truth,
+data_source, extra_info), or verl's unchanged (prompt as chat messages, reward_model.ground_truth, data_source,
+extra_info, ability).
 
 The demo asks "a + b" (one operand from 10 to 19, the other one-digit) in a one-shot chat, and the
-`arithmetic` reward (rewards.py) wants "a + b = c" or the bare sum. SmolLM2-135M-Instruct gets about half
+`arithmetic` reward (reward_rules/library.py) wants "a + b = c" or the bare sum. SmolLM2-135M-Instruct gets about half
 of these sums wrong ("15 + 2 = 27"): room to learn one rule, the tens digit.
 """
-import argparse
-import json
 import math
 import numbers
 import os
@@ -32,13 +22,11 @@ import pyarrow.parquet as pq
 
 from infra.config import ConfigError
 
-GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'  # verl's wording
 # The demo prompt is a one-shot chat. Asked plainly ("What is 6 + 6?"), SmolLM2-135M-Instruct answers in
 # sentences; shown "2 + 3" → "5" it answers a bare number but is right only 0.2 of the time; shown the
 # equation written out it is right on 0.95 of one-digit sums (measured on 100-200 prompts each).
 ARITHMETIC_SYSTEM = "Add the numbers."
 ARITHMETIC_SHOT = ("6 + 7", "6 + 7 = 13")
-HH_ASSISTANT = "\n\nAssistant:"
 
 
 class DataError(ConfigError):
@@ -52,8 +40,9 @@ def read_parquet(path: str, columns: list[str]) -> pa.Table:
         raise DataError(f"data file {path} is a directory; name the parquet file inside it, "
                         f"e.g. {path}/train.parquet")
     if not os.path.isfile(path):
-        raise DataError(f"data file {path} does not exist; write one with `python data.py --task arithmetic --output "
-                        f"data/arithmetic` or convert jsonl with `python data.py --input x.jsonl --output DIR`")
+        raise DataError(f"data file {path} does not exist; write one with `python tools/prepare_data.py --task "
+                        f"arithmetic --output data/arithmetic` or convert jsonl with `python tools/prepare_data.py --input x.jsonl "
+                        f"--output DIR`")
     try:
         table = pq.read_table(path)
         table.validate(full=True)  # bad UTF-8 fails here, by column, not as a decode error while reading rows
@@ -339,121 +328,3 @@ def make_arithmetic_tool(n: int, seed: int) -> list[dict]:
         rows.append({"prompt": arithmetic_tool_prompt(a, b), "ground_truth": str(a + b), "data_source": "arithmetic",
                      "extra_info": {"index": i, "a": a, "b": b}})
     return rows
-
-
-# ---- converting jsonl
-def split_hh(chosen: str, rejected: str) -> tuple[str, str, str]:
-    """(prompt, chosen reply, rejected reply): the shared text up to its last "\\n\\nAssistant:" is the prompt."""
-    shared = os.path.commonprefix([chosen, rejected])
-    cut = shared.rfind(HH_ASSISTANT)
-    if cut < 0:
-        raise ValueError('the two texts share no "\\n\\nAssistant:" turn')
-    cut += len(HH_ASSISTANT)
-    if "\n\nHuman:" in chosen[cut:] or "\n\nHuman:" in rejected[cut:]:
-        raise ValueError("chosen and rejected differ before their final assistant reply")
-    return chosen[:cut], chosen[cut:], rejected[cut:]
-
-
-def row_kind(keys) -> str:
-    """rl | gsm8k | preference | hh, from the keys of a jsonl row."""
-    keys = set(keys)
-    if {"prompt", "chosen", "rejected"} <= keys:
-        return "preference"
-    if {"chosen", "rejected"} <= keys:
-        return "hh"
-    if {"question", "answer"} <= keys:
-        return "gsm8k"
-    if "prompt" in keys:
-        return "rl"
-    raise ValueError(f"cannot tell the kind of row from its keys {sorted(keys)}; expected prompt[, ground_truth, "
-                     f"data_source] | question, answer (GSM8K) | prompt, chosen, rejected | chosen, rejected (HH-RLHF)")
-
-
-def convert_row(row: dict, kind: str, index: int) -> dict:
-    """One jsonl row as a parquet row of its kind; raises ValueError saying what is wrong."""
-    if row_kind(row.keys()) != kind:
-        raise ValueError(f"this row is {row_kind(row.keys())} but the file's first row is {kind}")
-    if kind == "gsm8k":
-        answer = str(row["answer"])
-        if "####" not in answer:
-            raise ValueError('the GSM8K `answer` has no "#### <number>" line')
-        gt = answer.split("####")[-1].strip().replace(",", "").replace("$", "")
-        return {"prompt": f"{row['question']} {GSM8K_INSTRUCTION}", "ground_truth": gt, "data_source": "openai/gsm8k",
-                "extra_info": {"index": index, "question": row["question"], "answer": answer}}
-    if kind == "hh":
-        prompt, chosen, rejected = split_hh(str(row["chosen"]), str(row["rejected"]))
-        return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
-    if kind == "preference":
-        check_prompt(row["prompt"], "")
-        if not (isinstance(row["chosen"], str) and isinstance(row["rejected"], str)):
-            raise ValueError("`chosen` and `rejected` must be strings")
-        out = {k: row[k] for k in ("prompt", "chosen", "rejected")}
-        return {**out, "margin": float(row["margin"])} if row.get("margin") is not None else out
-    check_prompt(row["prompt"], "")
-    extra_info = row.get("extra_info") or {}
-    if not isinstance(extra_info, dict):
-        raise ValueError("`extra_info` must be an object")
-    return {"prompt": row["prompt"], "ground_truth": ground_truth_of(row),
-            "data_source": row.get("data_source") or "unknown", "extra_info": {"index": index, **extra_info}}
-
-
-def convert_jsonl(path: str) -> list[dict]:
-    """Every line of a jsonl file converted by the kind of its first row; a bad line raises naming it."""
-    rows, kind = [], None
-    with open(path) as f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                if not isinstance(row, dict):
-                    raise ValueError("a line must hold one JSON object")
-                kind = kind or row_kind(row.keys())
-                rows.append(convert_row(row, kind, len(rows)))
-            except ValueError as e:  # json.JSONDecodeError is a ValueError
-                raise DataError(f"{path} line {n}: {e}") from None
-    if not rows:
-        raise DataError(f"{path}: no rows")
-    return rows
-
-
-def write_split(train: list[dict], val: list[dict], folder: str) -> None:
-    """Write folder/train.parquet and folder/val.parquet (skipped when val is empty) and say so."""
-    for name, rows in (("train", train), ("val", val)):
-        if rows:
-            path = os.path.join(folder, f"{name}.parquet")
-            write_parquet(rows, path)
-            print(f"wrote {path} ({len(rows)} rows)")
-
-
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--input", help="jsonl file to convert (kind detected from its rows)")
-    parser.add_argument("--task", choices=["arithmetic", "arithmetic-preferences", "arithmetic-tool"],
-                        help="generate the demo data")
-    parser.add_argument("--output", required=True, help="folder for train.parquet and val.parquet")
-    parser.add_argument("--val-fraction", type=float, default=0.05, help="share of --input rows held out as val")
-    parser.add_argument("--train-size", type=int, default=2000, help="--task rows in train.parquet")
-    parser.add_argument("--val-size", type=int, default=200, help="--task rows in val.parquet")
-    parser.add_argument("--seed", type=int, default=0, help="seed for the demo rows or the train/val split")
-    args = parser.parse_args(argv)
-    if (args.input is None) == (args.task is None):
-        parser.error("give exactly one of --input or --task")
-    if args.output.endswith(".parquet"):
-        parser.error(f"--output is a folder (train.parquet and val.parquet go inside), got {args.output}")
-    try:
-        if args.task:
-            make = {"arithmetic": make_arithmetic, "arithmetic-preferences": make_arithmetic_preferences,
-                    "arithmetic-tool": make_arithmetic_tool}[args.task]
-            rows = make(args.train_size + args.val_size, args.seed)
-            write_split(rows[:args.train_size], rows[args.train_size:], args.output)
-        elif not os.path.isfile(args.input):
-            raise DataError(f"input file {args.input} does not exist")
-        else:
-            write_split(*split_rows(convert_jsonl(args.input), args.val_fraction, args.seed), args.output)
-    except DataError as e:
-        raise SystemExit(f"data.py: {e}")
-
-
-if __name__ == "__main__":
-    main()

@@ -68,7 +68,8 @@ from advantages import COMPARES_SAMPLES, masked_mean, NEEDS_CRITIC, varied_group
 from critic import explained_variance, value_loss
 from infra import cli, config
 from infra.batches import autocast_dtype, Forward, micro_batch, per_token_pass, split_micro
-from infra.config import check_combinations, check_sizes, ConfigError
+from infra.checks import check_combinations, check_sizes
+from infra.config import ConfigError
 from infra.distributed import fsdp_from_launcher, max_over_processes, use_cpu
 from infra.layouts import batch_layout
 from infra.metrics import check_loggers, console_line, reduce_metrics, sample_table, sum_over_processes, timed
@@ -285,10 +286,12 @@ def batch_metrics(scores, token_rewards, lengths, truncated) -> dict:
             "response/clip_ratio": truncated.float().mean().item()}
 
 
-def guards(t, recent_kl: list, entropy: Optional[float]) -> tuple[Optional[str], Optional[str]]:
-    """(why to stop, or None; a warning, or None): the mean kl/mean of the last steps above trainer.max_kl, or
-    policy/entropy below trainer.min_entropy (a stop or a warning, as trainer.min_entropy_action says)."""
-    stop = warning = None
+def guards(t, state, metrics: dict) -> tuple[Optional[str], Optional[str]]:
+    """(why to stop, or None; a warning, or None): the mean kl/mean of the last trainer.max_kl_window steps (kept in
+    state.recent_kl, this step's added) above trainer.max_kl, or policy/entropy below trainer.min_entropy (a stop or
+    a warning, as trainer.min_entropy_action says)."""
+    state.recent_kl = (state.recent_kl + [metrics.get("kl/mean", 0.0)])[-t.max_kl_window:]
+    recent_kl, entropy, stop, warning = state.recent_kl, metrics.get("policy/entropy"), None, None
     mean_kl = sum(recent_kl) / len(recent_kl)
     if t.max_kl and mean_kl > t.max_kl:
         stop = f"kl/mean over the last {len(recent_kl)} steps {mean_kl:.4f} > trainer.max_kl {t.max_kl}"
@@ -301,7 +304,7 @@ def guards(t, recent_kl: list, entropy: Optional[float]) -> tuple[Optional[str],
 def check_names(cfg) -> None:
     """Each name that picks a function from a stage's table is in it: an unknown one fails here, before anything
     loads, never silently picking another; an estimator that compares a prompt's samples has more than one; and the
-    keys that only work together do (infra/config.check_combinations)."""
+    keys that only work together do (infra/checks.check_combinations)."""
     check_combinations(cfg)
     for key, name, table in (("algorithm.adv_estimator", cfg.algorithm.adv_estimator, advantages.ESTIMATORS),
                              ("actor.policy_loss", cfg.actor.policy_loss, POLICY_LOSSES),
@@ -385,7 +388,6 @@ def main(cfg: config.Config):
     rollout = agent.with_tools(rollout, cfg.rollout, tokenizer)  # with rollout.multi_turn: tool calls between turns
     sample = Sampler(rollout, tokenizer, scorer, accelerator, cfg, sizes.prompts)  # steps 1–3
     reduce_sum = functools.partial(sum_over_processes, accelerator)
-    max_tokens = cfg.actor.max_token_len_per_device if cfg.actor.use_dynamic_bsz else 0  # 0: micro-batches by count
 
     # ---- what steps 6 and 7 compute with, bound once
     estimate = advantages.ESTIMATORS[alg.adv_estimator]
@@ -420,7 +422,7 @@ def main(cfg: config.Config):
 
         # ---- 4. old/ref logprobs and values: no grad, micro-batched, in eval mode (set_train_mode says why)
         set_train_mode([policy, critic], False)
-        no_grad_pass = functools.partial(per_token_pass, batch=batch, max_tokens=max_tokens, lengths=tok_lengths,
+        no_grad_pass = functools.partial(per_token_pass, batch=batch, max_tokens=sizes.max_tokens, lengths=tok_lengths,
                                          size=cfg.actor.log_prob_micro_batch_size_per_device, device=device,
                                          largest_count=max_over_processes)  # as many forwards on every process
         if fwd.trunk is not None:  # issue 25: the frozen layers once per sequence; the forwards below start above them
@@ -465,7 +467,7 @@ def main(cfg: config.Config):
                     counts = mini_batch_counts(batch[u.mask][mini_inds], accelerator)  # its loss's norm (departure 4)
                     with timed(times, f"time/update_{u.name}_s"):
                         micro_batches = [micro_batch(batch, i, device) for i in split_micro(
-                            mini_inds, tok_lengths, u.micro_size, max_tokens, largest_count=max_over_processes)]
+                            mini_inds, tok_lengths, u.micro_size, sizes.max_tokens, largest_count=max_over_processes)]
                         # one optimiser step: loss.backward() per micro-batch, gradients averaged over processes,
                         # clipped over every shard, optimizer.step() unless non-finite
                         loss_fn = functools.partial(u.loss, u.model, counts=counts)
@@ -500,8 +502,7 @@ def main(cfg: config.Config):
         state.step = step
 
         # ---- guards: a run that drifts too far from the reference, or collapses, is validated and stops
-        state.recent_kl = (state.recent_kl + [metrics.get("kl/mean", 0.0)])[-t.max_kl_window:]
-        stop_reason, warning = guards(t, state.recent_kl, metrics.get("policy/entropy"))
+        stop_reason, warning = guards(t, state, metrics)
         if warning:
             print0("warning: " + warning)
 

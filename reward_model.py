@@ -1,6 +1,6 @@
 """Reward model: a Bradley–Terry scorer trained on preference pairs, and the scorer PPO calls.
 
-    python data.py --task arithmetic-preferences --output data/preferences       # the demo pairs
+    python tools/prepare_data.py --task arithmetic-preferences --output data/preferences   # the demo pairs
     accelerate launch reward_model.py --config configs.yaml                      # the demo, CPU or GPU
     accelerate launch reward_model.py --config configs.yaml reward_model.total_steps=20 reward_model.lora_rank=0
     accelerate launch --config_file accelerate_configs/ddp_cpu.yaml reward_model.py --config configs.yaml
@@ -9,7 +9,7 @@
 
 The demo (`make reward-model`, the defaults: LoRA in the top 8 of SmolLM2-135M's 30 layers, lr 5e-4, 60 steps
 of 16 pairs, fp32) ran in 4.2 min on 2 shared CPU cores to val/rm/accuracy 0.865 on 200 held-out pairs of
-`data.py --task arithmetic-preferences`; by kind: tens 0.99 ("15 + 2 = 17" over "15 + 2 = 27"), format 1.0,
+`tools/prepare_data.py --task arithmetic-preferences`; by kind: tens 0.99 ("15 + 2 = 17" over "15 + 2 = 27"), format 1.0,
 bare 0.65, ones 0.57 (the sum off by 1 or 2 is not learned yet).
 
 At the end <output_dir>/final/ holds a plain AutoModelForSequenceClassification (LoRA merged), its tokenizer
@@ -46,7 +46,7 @@ from tqdm import tqdm
 import data
 from infra import cli, config
 from infra.batches import autocast, autocast_dtype
-from infra.config import exact_div
+from infra.checks import exact_div
 from infra.distributed import distribute, fsdp_from_launcher, use_cpu
 from infra.metrics import check_loggers, console_line, MetricsLogger, wandb_resume_id
 from infra.models import check_model_path, load_reward_classifier, load_tokenizer, save_pretrained_atomic

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GSM8K as OpenAI distributes it (github.com/openai/grade-school-math: train.jsonl 7473 rows, test.jsonl
-# 1319) → $GSM8K_DATA/train.parquet and test.parquet through data.py, prompted as verl's
+# 1319) → $GSM8K_DATA/train.parquet and test.parquet through tools/prepare_data.py, prompted as verl's
 # examples/data_preprocess/gsm8k.py does ("<question> Let's think step by step and output the final answer
 # after "####".", data_source openai/gsm8k, the number after "####" as ground truth).
 #
@@ -23,7 +23,7 @@ for split in train test; do
     [ -f "$RAW/$split.jsonl" ] || curl -fsSL "$URL/$split.jsonl" -o "$RAW/$split.jsonl"
 done
 # --val-fraction 0: each file becomes one split whole; GSM8K's own test set is the validation set
-"$PY" data.py --input "$RAW/train.jsonl" --output "$DATA" --val-fraction 0
-"$PY" data.py --input "$RAW/test.jsonl" --output "$DATA/test_split" --val-fraction 0
+"$PY" tools/prepare_data.py --input "$RAW/train.jsonl" --output "$DATA" --val-fraction 0
+"$PY" tools/prepare_data.py --input "$RAW/test.jsonl" --output "$DATA/test_split" --val-fraction 0
 mv "$DATA/test_split/train.parquet" "$DATA/test.parquet"
 rmdir "$DATA/test_split"

@@ -21,7 +21,7 @@ from typing import Literal, Optional
 import torch
 import yaml
 
-from infra import config
+from infra import config, config_rl
 from infra.config import Config, ConfigError, FIXED_ON_RESUME, LENGTH_OF, RANGE_OF, RewardModelStage
 
 def shown(value) -> str:
@@ -222,9 +222,9 @@ def check_ranges(cfg, prefix: str = "") -> None:
 
 
 def _docs_by_class() -> dict[str, dict[str, str]]:
-    """{class name: {field: the string literal under it}} for every dataclass in this file."""
+    """{class name: {field: the string literal under it}} for every dataclass of infra/config.py and config_rl.py."""
     docs = {}
-    for node in ast.parse(open(config.__file__).read()).body:
+    for node in [node for module in (config, config_rl) for node in ast.parse(open(module.__file__).read()).body]:
         if isinstance(node, ast.ClassDef):
             docs[node.name] = {stmt.target.id: nxt.value.value for stmt, nxt in zip(node.body, node.body[1:])
                                if isinstance(stmt, ast.AnnAssign) and isinstance(nxt, ast.Expr)

@@ -1,4 +1,4 @@
-"""data.py: parquet layouts, prompt rendering, truncation, errors, the CLI and the demo generators."""
+"""data.py: parquet layouts, prompt rendering, truncation, errors and the demo generators; tools/prepare_data.py, the CLI."""
 import json
 import os
 import subprocess
@@ -134,7 +134,7 @@ def test_truncation_filter_drops_and_counts(tmp_path):
 
 def test_error_missing_file(tmp_path):
     """A missing file is named, with the command that writes the demo data."""
-    with pytest.raises(data.DataError, match=r"data file .*nope.parquet does not exist.*python data.py --task"):
+    with pytest.raises(data.DataError, match=r"data file .*nope.parquet does not exist.*python tools/prepare_data.py --task"):
         data.load_rl_dataset(str(tmp_path / "nope.parquet"), tiny_tokenizer(), 64, "error")
 
 
@@ -240,7 +240,7 @@ def test_generators_are_deterministic_and_correct():
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "data.py", *args], cwd=REPO, capture_output=True, text=True)
+    return subprocess.run([sys.executable, "tools/prepare_data.py", *args], cwd=REPO, capture_output=True, text=True)
 
 
 def write_jsonl(tmp_path, rows):

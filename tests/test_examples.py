@@ -1,6 +1,6 @@
 """examples/: the real-size recipes, run as written for one step with a tiny model and tiny GSM8K files.
 
-Each recipe is a shell script: the data step (GSM8K jsonl → parquet through data.py), then `accelerate launch
+Each recipe is a shell script: the data step (GSM8K jsonl → parquet through tools/prepare_data.py), then `accelerate launch
 ppo.py --config configs.yaml <its overrides> "$@"`. The test runs the script itself, appending only what
 makes it tiny (model, sizes, CPU backends, output folder), and checks that the run used every other
 override of the recipe, so a renamed or retyped key fails here instead of on a GPU an hour in.

@@ -193,7 +193,7 @@ def test_bad_input_fails_with_a_sentence(workdir, tmp_path):
 
 
 def test_demo_pairs_teach_the_rule():
-    """Every demo pair (data.py --task arithmetic-preferences) has a chosen answer the `arithmetic` rule scores 1
+    """Every demo pair (tools/prepare_data.py --task arithmetic-preferences) has a chosen answer the `arithmetic` rule scores 1
     and a rejected one it scores 0; in tens, ones and bare pairs both answers have the same form and length, so
     only the sum separates them; every kind is there in about its share."""
     from reward_rules.library import arithmetic_score

@@ -1,0 +1,72 @@
+"""The checks of a config that need more than one key, before any model loads: ppo.py's derived batch sizes
+(check_sizes) and the settings that cannot work together (check_combinations). One key's type and range are
+infra/cli.py's."""
+import importlib.util
+from dataclasses import dataclass
+
+from infra.config import ConfigError
+
+
+def exact_div(a: int, b: int, what: str) -> int:
+    """a / b as an int, or a sentence saying which batch size does not divide."""
+    if b <= 0 or a % b != 0:
+        raise ConfigError(f"{what}: {a} is not divisible by {b}")
+    return a // b
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Batch sizes derived from the config, computed and checked once (check_sizes); per process unless said."""
+    prompts: int  # prompts per step
+    batch: int  # B: sequences per step (prompts × rollout.n)
+    num_mini: int  # mini-batches (optimiser steps) per PPO epoch, the same on every process
+    mini: int  # sequences per mini-batch
+    actor_micro: int  # sequences per actor forward/backward (gradient accumulation fills the mini-batch)
+    critic_micro: int  # sequences per critic forward/backward
+    max_tokens: int  # actor.use_dynamic_bsz: tokens per micro-batch (actor.max_token_len_per_device); 0: by count
+
+
+def check_sizes(cfg, world: int, num_rows: int) -> Sizes:
+    """ppo.py's derived batch sizes; one that does not divide fails here with a sentence, before any model loads."""
+    d, a, n = cfg.data, cfg.actor, cfg.rollout.n
+    if num_rows < d.train_batch_size:
+        raise ConfigError(f"data.train_files has {num_rows} usable prompts, fewer than "
+                          f"data.train_batch_size={d.train_batch_size}")
+    prompts = exact_div(d.train_batch_size, world, "data.train_batch_size across processes")
+    num_mini = exact_div(d.train_batch_size, a.ppo_mini_batch_size,
+                         "data.train_batch_size by actor.ppo_mini_batch_size (prompts per mini-batch)")
+    mini = exact_div(a.ppo_mini_batch_size * n, world, "actor.ppo_mini_batch_size × rollout.n across processes")
+    actor_micro = min(a.ppo_micro_batch_size_per_device, mini)
+    exact_div(mini, actor_micro, "sequences per mini-batch on one process by actor.ppo_micro_batch_size_per_device")
+    critic_micro = min(cfg.critic.ppo_micro_batch_size_per_device, mini)
+    exact_div(mini, critic_micro, "sequences per mini-batch on one process by critic.ppo_micro_batch_size_per_device")
+    max_tokens = a.max_token_len_per_device if a.use_dynamic_bsz else 0
+    return Sizes(prompts, prompts * n, num_mini, mini, actor_micro, critic_micro, max_tokens)
+
+
+def check_combinations(cfg) -> None:
+    """ppo.py's settings that cannot work together fail here, before anything loads, one sentence each."""
+    alg, ro, t = cfg.algorithm, cfg.rollout, cfg.trainer
+    asked = [f"algorithm.{key}={getattr(alg, key)}" for key in ("rollout_is", "rollout_rs")
+             if getattr(alg, key) != "off"]
+    if asked and (ro.name == "hf" or importlib.util.find_spec("vllm") is None):
+        raise ConfigError(f"{' and '.join(asked)} corrects by the sampler's own logprobs, which only rollout.name=vllm "
+                          f"gives ({'rollout.name is hf' if ro.name == 'hf' else 'vLLM is not installed'}); "
+                          f"use rollout.name=vllm, or set {' and '.join(a.split('=')[0] for a in asked)} to off")
+    if alg.rollout_rs_threshold_lower > alg.rollout_rs_threshold:
+        raise ConfigError(f"algorithm.rollout_rs_threshold_lower={alg.rollout_rs_threshold_lower} is above "
+                          f"algorithm.rollout_rs_threshold={alg.rollout_rs_threshold}, so rejection would keep nothing")
+    if alg.filter_groups.enable and ro.n < 2:
+        raise ConfigError(f"algorithm.filter_groups.enable keeps the prompts whose samples score differently: set "
+                          f"rollout.n ≥ 2 (it is {ro.n})")
+    if ro.val_n > 1 and ro.val_temperature == 0:
+        raise ConfigError(f"rollout.val_n={ro.val_n} greedy samples (rollout.val_temperature=0) are one answer "
+                          f"{ro.val_n} times: set rollout.val_temperature > 0, e.g. 1.0, or rollout.val_n=1")
+    if cfg.reward.overlong_buffer_len > ro.max_response_length:
+        raise ConfigError(f"reward.overlong_buffer_len={cfg.reward.overlong_buffer_len} is longer than "
+                          f"rollout.max_response_length={ro.max_response_length}: make it at most that")
+    if t.best_metric and not cfg.data.val_files:
+        raise ConfigError(f"trainer.best_metric={t.best_metric} needs validation: set data.val_files")
+    if t.rollback_tolerance is not None and not t.best_metric:
+        raise ConfigError("trainer.rollback_tolerance rolls back to the best checkpoint: set trainer.best_metric too "
+                          "(e.g. val/score/mean)")

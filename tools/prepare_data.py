@@ -1,0 +1,145 @@
+"""Write datasets as parquet files: the demos' rows (data.py makes them), or a jsonl file converted.
+
+    python tools/prepare_data.py --task arithmetic --output data/arithmetic                 # the PPO demo
+    python tools/prepare_data.py --task arithmetic-preferences --output data/preferences    # the reward-model demo
+    python tools/prepare_data.py --task arithmetic-tool --output data/arithmetic_tool       # the agent demo (agent.py)
+    python tools/prepare_data.py --input gsm8k_train.jsonl --output data/gsm8k --val-fraction 0.05 --seed 0
+
+`--output` is always a folder: train.parquet and val.parquet are written inside it.
+`--input` converts a jsonl file; the kind of row is detected from the first line's keys:
+  ours        prompt (string or chat messages) [+ ground_truth, data_source, extra_info] → RL parquet
+  GSM8K       question, answer ending in "#### <n>" → RL parquet, prompted as verl does
+  preference  prompt, chosen, rejected [+ margin] → preference parquet
+  HH-RLHF     chosen, rejected (full "\\n\\nHuman: … \\n\\nAssistant: …" texts) → preference parquet: the
+              shared text through the last "\\n\\nAssistant:" is `prompt`, so prompt + chosen is the original
+"""
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root, for data.py
+
+from data import (check_prompt, DataError, ground_truth_of, make_arithmetic, make_arithmetic_preferences,
+                  make_arithmetic_tool, split_rows, write_parquet)
+
+GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'  # verl's wording
+HH_ASSISTANT = "\n\nAssistant:"
+
+
+# ---- converting jsonl
+def split_hh(chosen: str, rejected: str) -> tuple[str, str, str]:
+    """(prompt, chosen reply, rejected reply): the shared text up to its last "\\n\\nAssistant:" is the prompt."""
+    shared = os.path.commonprefix([chosen, rejected])
+    cut = shared.rfind(HH_ASSISTANT)
+    if cut < 0:
+        raise ValueError('the two texts share no "\\n\\nAssistant:" turn')
+    cut += len(HH_ASSISTANT)
+    if "\n\nHuman:" in chosen[cut:] or "\n\nHuman:" in rejected[cut:]:
+        raise ValueError("chosen and rejected differ before their final assistant reply")
+    return chosen[:cut], chosen[cut:], rejected[cut:]
+
+
+def row_kind(keys) -> str:
+    """rl | gsm8k | preference | hh, from the keys of a jsonl row."""
+    keys = set(keys)
+    if {"prompt", "chosen", "rejected"} <= keys:
+        return "preference"
+    if {"chosen", "rejected"} <= keys:
+        return "hh"
+    if {"question", "answer"} <= keys:
+        return "gsm8k"
+    if "prompt" in keys:
+        return "rl"
+    raise ValueError(f"cannot tell the kind of row from its keys {sorted(keys)}; expected prompt[, ground_truth, "
+                     f"data_source] | question, answer (GSM8K) | prompt, chosen, rejected | chosen, rejected (HH-RLHF)")
+
+
+def convert_row(row: dict, kind: str, index: int) -> dict:
+    """One jsonl row as a parquet row of its kind; raises ValueError saying what is wrong."""
+    if row_kind(row.keys()) != kind:
+        raise ValueError(f"this row is {row_kind(row.keys())} but the file's first row is {kind}")
+    if kind == "gsm8k":
+        answer = str(row["answer"])
+        if "####" not in answer:
+            raise ValueError('the GSM8K `answer` has no "#### <number>" line')
+        gt = answer.split("####")[-1].strip().replace(",", "").replace("$", "")
+        return {"prompt": f"{row['question']} {GSM8K_INSTRUCTION}", "ground_truth": gt, "data_source": "openai/gsm8k",
+                "extra_info": {"index": index, "question": row["question"], "answer": answer}}
+    if kind == "hh":
+        prompt, chosen, rejected = split_hh(str(row["chosen"]), str(row["rejected"]))
+        return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+    if kind == "preference":
+        check_prompt(row["prompt"], "")
+        if not (isinstance(row["chosen"], str) and isinstance(row["rejected"], str)):
+            raise ValueError("`chosen` and `rejected` must be strings")
+        out = {k: row[k] for k in ("prompt", "chosen", "rejected")}
+        return {**out, "margin": float(row["margin"])} if row.get("margin") is not None else out
+    check_prompt(row["prompt"], "")
+    extra_info = row.get("extra_info") or {}
+    if not isinstance(extra_info, dict):
+        raise ValueError("`extra_info` must be an object")
+    return {"prompt": row["prompt"], "ground_truth": ground_truth_of(row),
+            "data_source": row.get("data_source") or "unknown", "extra_info": {"index": index, **extra_info}}
+
+
+def convert_jsonl(path: str) -> list[dict]:
+    """Every line of a jsonl file converted by the kind of its first row; a bad line raises naming it."""
+    rows, kind = [], None
+    with open(path) as f:
+        for n, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                if not isinstance(row, dict):
+                    raise ValueError("a line must hold one JSON object")
+                kind = kind or row_kind(row.keys())
+                rows.append(convert_row(row, kind, len(rows)))
+            except ValueError as e:  # json.JSONDecodeError is a ValueError
+                raise DataError(f"{path} line {n}: {e}") from None
+    if not rows:
+        raise DataError(f"{path}: no rows")
+    return rows
+
+
+def write_split(train: list[dict], val: list[dict], folder: str) -> None:
+    """Write folder/train.parquet and folder/val.parquet (skipped when val is empty) and say so."""
+    for name, rows in (("train", train), ("val", val)):
+        if rows:
+            path = os.path.join(folder, f"{name}.parquet")
+            write_parquet(rows, path)
+            print(f"wrote {path} ({len(rows)} rows)")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--input", help="jsonl file to convert (kind detected from its rows)")
+    parser.add_argument("--task", choices=["arithmetic", "arithmetic-preferences", "arithmetic-tool"],
+                        help="generate the demo data")
+    parser.add_argument("--output", required=True, help="folder for train.parquet and val.parquet")
+    parser.add_argument("--val-fraction", type=float, default=0.05, help="share of --input rows held out as val")
+    parser.add_argument("--train-size", type=int, default=2000, help="--task rows in train.parquet")
+    parser.add_argument("--val-size", type=int, default=200, help="--task rows in val.parquet")
+    parser.add_argument("--seed", type=int, default=0, help="seed for the demo rows or the train/val split")
+    args = parser.parse_args(argv)
+    if (args.input is None) == (args.task is None):
+        parser.error("give exactly one of --input or --task")
+    if args.output.endswith(".parquet"):
+        parser.error(f"--output is a folder (train.parquet and val.parquet go inside), got {args.output}")
+    try:
+        if args.task:
+            make = {"arithmetic": make_arithmetic, "arithmetic-preferences": make_arithmetic_preferences,
+                    "arithmetic-tool": make_arithmetic_tool}[args.task]
+            rows = make(args.train_size + args.val_size, args.seed)
+            write_split(rows[:args.train_size], rows[args.train_size:], args.output)
+        elif not os.path.isfile(args.input):
+            raise DataError(f"input file {args.input} does not exist")
+        else:
+            write_split(*split_rows(convert_jsonl(args.input), args.val_fraction, args.seed), args.output)
+    except DataError as e:
+        raise SystemExit(f"tools/prepare_data.py: {e}")
+
+
+if __name__ == "__main__":
+    main()
