@@ -8,10 +8,10 @@ from typing import Literal, Optional
 
 @dataclass
 class KLControlConfig:
-    type: Literal["fixed", "adaptive"] = "fixed"
-    """fixed β, or adaptive β (Ziegler et al. 2019)"""
     kl_coef: float = 0.001
     """β, the initial KL-penalty coefficient"""
+    type: Literal["fixed", "adaptive"] = "fixed"
+    """fixed β, or adaptive β (Ziegler et al. 2019)"""
     target_kl: float = 0.1
     """adaptive controller: KL per sequence it steers towards"""
     horizon: int = 10000
@@ -139,7 +139,8 @@ class CriticConfig:
     vf_coef: float = 1.0
     """value loss weight"""
     warmup_steps: int = 0
-    """steps during which only the critic trains"""
+    """steps during which only the critic trains: the actor waits until the values it learns from mean something
+    (its first steps' advantages come from a random value head)"""
     max_grad_norm: float = 1.0
     """clip the critic's gradient norm"""
     ppo_micro_batch_size_per_device: int = 64
@@ -170,10 +171,11 @@ class JudgeConfig:
     """number parser: the lowest score the prompt asks for"""
     max_score: float = 10.0
     """number parser: the highest score the prompt asks for"""
+    temperature: float = 0.0
+    """the judge's sampling temperature; at 0 (greedy) the same response gets the same answer at every step, so a
+    score's noise is the policy's alone"""
     max_tokens: int = 64
     """longest answer of the judge, in tokens"""
-    temperature: float = 0.0
-    """the judge's sampling temperature"""
     max_concurrency: int = 8
     """requests in flight at once"""
     timeout_s: float = 30.0
