@@ -99,7 +99,8 @@ def served_model(cfg) -> str:
     """The model to ask: reward.judge.model, which the endpoint must serve, or (null) the only one it serves."""
     import openai
 
-    with openai.OpenAI(base_url=cfg.base_url, api_key=api_key(cfg), timeout=min(cfg.timeout_s, 10.0),
+    # The probe waits at least 10 s, whatever reward.judge.timeout_s (a per-answer limit) says.
+    with openai.OpenAI(base_url=cfg.base_url, api_key=api_key(cfg), timeout=max(cfg.timeout_s, 10.0),
                        max_retries=0) as client:
         try:
             served = [m.id for m in client.models.list()]
