@@ -130,9 +130,9 @@ def make_tokenizer(corpus=CORPUS, vocab_size=200):
                                    pad_token="<|im_end|>", unk_token="<|endoftext|>", chat_template=CHAT_TEMPLATE)
 
 
-def make_tiny_model(path, seed=0, tokenizer=None, arch="llama", layers=2, kv_heads=2):
-    """Save a random causal LM of `layers` decoder layers (2 heads of 64; kv_heads=1: grouped-query attention) and
-    its tokenizer to `path`; return the path."""
+def make_tiny_model(path, seed=0, tokenizer=None, arch="llama", layers=2, kv_heads=2, tied=False):
+    """Save a random causal LM of `layers` decoder layers (2 heads of 64; kv_heads=1: grouped-query attention; tied:
+    the head is the token embedding, as SmolLM2's) and its tokenizer to `path`; return the path."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
@@ -141,7 +141,7 @@ def make_tiny_model(path, seed=0, tokenizer=None, arch="llama", layers=2, kv_hea
     config = Cfg(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
                  num_attention_heads=2, num_key_value_heads=kv_heads, max_position_embeddings=512,
                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                 pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
+                 pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=tied)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(path)

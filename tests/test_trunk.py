@@ -16,7 +16,7 @@ import torch
 from conftest import free_port, make_tiny_model, read_metrics
 from infra import batches, layouts
 from infra.batches import Forward, micro_batch, per_token_pass
-from infra.models import add_lora, load_critic, load_policy
+from infra.models import add_lora, frozen_linears_in, load_critic, load_policy
 from infra.trunk import plan_trunk, Replay, Trunk
 from test_packing import random_batch
 from test_fsdp import args, COMPARED, REWARD_FILE, run
@@ -30,7 +30,8 @@ LORA = dict(lora_rank=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("trunk")
-    return {arch: make_tiny_model(root / arch, arch=arch, layers=LAYERS) for arch in ("llama", "qwen2")}
+    dirs = {arch: make_tiny_model(root / arch, arch=arch, layers=LAYERS) for arch in ("llama", "qwen2")}
+    return {**dirs, "tied": make_tiny_model(root / "tied", layers=LAYERS, tied=True)}
 
 
 def lora_models(path, checkpointing=False):
@@ -108,6 +109,32 @@ def test_forwards_from_the_trunk_equal_whole_forwards(model_dirs, layout, arch):
     assert set(grads) == set(expected_grads) and len(grads) > 2
     for name, grad in grads.items():
         assert relative(expected_grads[name], grad) < TOL, name
+
+
+@pytest.mark.parametrize("arch", ["llama", "tied"])
+@pytest.mark.parametrize("layout", ["padded", "shared", "packed"])
+def test_frozen_linears_held_in_bf16_compute_what_autocast_computes(model_dirs, layout, arch):
+    """Under bf16 autocast, an actor and a critic whose frozen linear layers are held in bf16 (frozen_linears_in) give
+    bit for bit the logprobs, entropies, reference logprobs, values and LoRA gradients of the fp32-held ones, since
+    autocast casts those weights to bf16 at every call; every trained weight, the norms and a head tied to the token
+    embedding stay fp32."""
+    fp32_held, bf16_held = lora_models(model_dirs[arch])[:2], lora_models(model_dirs[arch])[:2]
+    for model in bf16_held:
+        frozen_linears_in(model, torch.bfloat16)
+    for model in (*fp32_held, *bf16_held) if layout == "packed" else ():
+        layouts.use_varlen_attention(model)
+    policy = bf16_held[0]
+    assert {p.dtype for name, p in policy.named_parameters() if "base_layer" in name} == {torch.bfloat16}
+    assert all(p.dtype == torch.float32 for model in bf16_held for p in model.parameters() if p.requires_grad)
+    assert policy.get_base_model().model.norm.weight.dtype == torch.float32
+    head = policy.get_base_model().lm_head.weight
+    assert head.dtype == (torch.float32 if arch == "tied" else torch.bfloat16)
+    assert (head is policy.get_input_embeddings().weight) == (arch == "tied")
+    mb = micro_batch(random_batch(B=6, seed=2, n=2), torch.arange(6), "cpu")
+    fwd = Forward(0.8, torch.bfloat16, layout)
+    (expected, expected_grads), (got, grads) = forwards(fwd, *fp32_held, mb), forwards(fwd, *bf16_held, mb)
+    assert all(torch.equal(expected[key], got[key]) for key in expected)
+    assert set(grads) == set(expected_grads) and all(torch.equal(expected_grads[k], g) for k, g in grads.items())
 
 
 def test_trunk_with_gradient_checkpointing_gives_the_same_gradients(model_dirs):
