@@ -255,10 +255,11 @@ def frozen_linears_in(model, dtype) -> None:
     in `dtype` the layer computes the very same products. A weight tied to the token embedding stays fp32 (the
     embedding's output is not cast, so the residual stream keeps its dtype), as do norms and every trained weight.
     dtype None (fp32 compute): nothing changes."""
+    if dtype is None:
+        return
     tied = getattr(model.get_input_embeddings(), "weight", None)
     for module in model.modules():
-        if dtype is not None and isinstance(module, torch.nn.Linear) and not module.weight.requires_grad \
-                and module.weight is not tied:
+        if isinstance(module, torch.nn.Linear) and not module.weight.requires_grad and module.weight is not tied:
             module.to(dtype)
 
 

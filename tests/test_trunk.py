@@ -121,8 +121,9 @@ def test_frozen_linears_held_in_bf16_compute_what_autocast_computes(model_dirs, 
     fp32_held, bf16_held = lora_models(model_dirs[arch])[:2], lora_models(model_dirs[arch])[:2]
     for model in bf16_held:
         frozen_linears_in(model, torch.bfloat16)
-    for model in (*fp32_held, *bf16_held) if layout == "packed" else ():
-        layouts.use_varlen_attention(model)
+    if layout == "packed":
+        for model in (*fp32_held, *bf16_held):
+            layouts.use_varlen_attention(model)
     policy = bf16_held[0]
     assert {p.dtype for name, p in policy.named_parameters() if "base_layer" in name} == {torch.bfloat16}
     assert all(p.dtype == torch.float32 for model in bf16_held for p in model.parameters() if p.requires_grad)
