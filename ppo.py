@@ -133,7 +133,7 @@ class ActorLoss:
                             "rollout/logprob_diff_mean": masked_mean(log_ratio.abs(), mask).item(),
                             "rollout/logprob_diff_max": (log_ratio.abs() * mask).max().item(),
                             "rollout/ratio_mean": masked_mean(log_ratio.exp(), mask).item()})
-        loss = pg - self.entropy_coef * entropy  # (B, Tr)
+        loss = pg - self.entropy_coef * entropy if self.entropy_coef else pg  # (B, Tr); no entropy backward at 0
         if "ref_logprobs" in micro:
             if self.use_kl_loss:
                 loss = loss + self.kl_loss_coef * kl_estimate(logprobs, micro["ref_logprobs"], self.kl_loss_type)

@@ -1,6 +1,6 @@
 """How a PPO batch goes through a model: micro-batches, the forwards that give logprobs, entropies and values in the
 run's layout (infra/layouts.py: padded, shared prompt prefix, packed), the fp32 log-softmax / entropy over a long
-vocabulary `LOGITS_CHUNK` positions at a time, and the compute dtype (`model.dtype` → autocast).
+vocabulary a chunk of positions at a time (LogprobsEntropy), and the compute dtype (`model.dtype` → autocast).
 
 With a frozen trunk (infra/trunk.py, issue 25) `trunk_states` runs the layers below the adapters once per sequence in
 the layout (step 4), and every forward here can start from their output instead (`trunk=L`): the same numbers within
@@ -12,13 +12,13 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from infra.layouts import (distinct_prompts, first_rows, model_inputs, packed_inputs, response_tokens,
                            shared_inputs, shared_prompt_logits, unpacked)
 from infra.trunk import from_trunk, Trunk, trunk_only
 
-LOGITS_CHUNK = 1024  # positions whose fp32 log-softmax is computed at once (see chunked_logprobs_entropy)
+LOGITS_CHUNK = 1024  # positions whose fp32 log-softmax is computed at once on a GPU (logits_chunk)
+CPU_CHUNK_ELEMENTS = 2 ** 22  # on a CPU: at most this many fp32 values (16 MB) in one chunk's temporaries
 PROMPT_KEYS = ("queries", "query_mask", "trunk_prompt")  # a batch's prompt columns (left-padded); others per response
 
 # ---------------------------------------------------------------------------------------
@@ -44,39 +44,67 @@ def autocast(device: torch.device, dtype):
 # ---------------------------------------------------------------------------------------
 # Logprobs and entropy from logits
 
-def logprobs_from_logits(logits, tokens):
-    """log softmax(logits)[token]: (..., V), (...) → (...)."""
-    return torch.gather(logits.log_softmax(-1), -1, tokens.unsqueeze(-1)).squeeze(-1)
+def logits_chunk(device: torch.device, vocab: int) -> int:
+    """Positions per chunk of chunked_logprobs_entropy. On a CPU few enough that each fp32 temporary stays within
+    CPU_CHUNK_ELEMENTS (85 positions of a 49k vocabulary): glibc hands a larger block (over its 32 MB threshold) fresh
+    from the kernel at each op, page faults and all: 3× slower (bench/RESULTS.md, 2026-12-02)."""
+    return LOGITS_CHUNK if device.type == "cuda" else max(1, CPU_CHUNK_ELEMENTS // vocab)
 
 
-def entropy_from_logits(logits):
-    """H = logsumexp(z) − Σ softmax(z)·z, per position: (..., V) → (...)."""
-    return torch.logsumexp(logits, -1) - (logits.softmax(-1) * logits).sum(-1)
+class LogprobsEntropy(torch.autograd.Function):
+    """log softmax(z)[token] and the entropy of softmax(z), z = logits / T, per position: (N, V), (N,) → (N,), (N,);
+    forward and backward `chunk` positions at a time, by hand.
 
+        lse = logsumexp(z),  log p = z − lse,  logprob = z[token] − lse,  H = lse − Σ p·z
+        ∂logprob/∂z_j = 1[j = token] − p_j,  ∂H/∂z_j = −p_j (log p_j + H),  ∂z/∂logits = 1 / T
 
-def _logprobs_entropy(logits, tokens, temperature: float, with_entropy: bool):
-    z = logits.float() / temperature  # the sampler's distribution is softmax(z / T)
-    logprobs = logprobs_from_logits(z, tokens)
-    return logprobs, (entropy_from_logits(z) if with_entropy else torch.zeros_like(logprobs))
+    Only lse and H (N,) are kept beside the logits; backward recomputes p a chunk at a time. Autograd through
+    log_softmax and the entropy formula, recomputed under activation checkpointing to bound memory, made ~30 passes
+    over each fp32 chunk and cost more than the head's matmul it follows (issue 25); this makes a handful, no fp32
+    (N, V) tensor outlives its chunk. Computed in fp32, or in the logits' dtype where wider (float64: gradcheck)."""
+
+    @staticmethod
+    def forward(ctx, logits, tokens, temperature: float, with_entropy: bool, chunk: int):
+        ctx.set_materialize_grads(False)  # an output the loss does not use gets no gradient: entropy, mostly
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        logprobs, entropy, lse = (logits.new_zeros(len(tokens), dtype=dtype) for _ in range(3))
+        for i in range(0, len(tokens), chunk):
+            c = slice(i, i + chunk)
+            z = logits[c].to(dtype) / temperature  # (c, V), a new tensor even for T = 1: logits stay untouched
+            lse[c] = torch.logsumexp(z, -1)
+            logprobs[c] = z.gather(-1, tokens[c, None])[:, 0] - lse[c]
+            if with_entropy:
+                entropy[c] = lse[c] - ((z - lse[c, None]).exp_() * z).sum(-1)
+        ctx.save_for_backward(logits, tokens, lse, entropy)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        logits, tokens, lse, entropy = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        for i in range(0, len(tokens), ctx.chunk):
+            c = slice(i, i + ctx.chunk)
+            log_p = (logits[c].to(lse.dtype) / ctx.temperature).sub_(lse[c, None])  # (c, V)
+            p = log_p.exp()
+            if grad_logprobs is None:
+                g = torch.zeros_like(p)
+            else:
+                g = (p * -grad_logprobs[c, None]).scatter_add_(-1, tokens[c, None], grad_logprobs[c, None])
+            if grad_entropy is not None:
+                g -= log_p.add_(entropy[c, None]).mul_(p).mul_(grad_entropy[c, None])
+            grad[c] = g.div_(ctx.temperature)
+        return grad, None, None, None, None
 
 
 def chunked_logprobs_entropy(logits, tokens, temperature: float, with_entropy: bool, chunk: int):
-    """logprobs_from_logits and entropy_from_logits of softmax(z / T), `chunk` positions at a time.
-
-    The fp32 (…, V) intermediates exist for one chunk at a time; in the backward pass each chunk is
-    recomputed (activation checkpointing), so a long vocabulary never sits in fp32 for the whole batch.
-    logits (..., V), tokens (...) → logprobs (...), entropy (...).
-    """
+    """log softmax(z / T)[token], and the entropy of softmax(z / T) when with_entropy (else None), per position,
+    `chunk` positions at a time (LogprobsEntropy): logits (..., V), tokens (...) → logprobs (...), entropy (...).
+    The sampler's distribution is softmax(logits / T)."""
     shape, V = tokens.shape, logits.shape[-1]
-    z, t = logits.reshape(-1, V), tokens.reshape(-1)
-    chunk = chunk if chunk > 0 else len(t)
-    parts = []
-    for i in range(0, len(t), chunk):
-        args = (z[i:i + chunk], t[i:i + chunk], temperature, with_entropy)
-        parts.append(checkpoint(_logprobs_entropy, *args, use_reentrant=False) if z.requires_grad
-                     else _logprobs_entropy(*args))
-    logprobs, entropy = (torch.cat(p).view(shape) for p in zip(*parts))
-    return logprobs, (entropy if with_entropy else None)
+    logprobs, entropy = LogprobsEntropy.apply(logits.reshape(-1, V), tokens.reshape(-1), temperature, with_entropy,
+                                              chunk)
+    return logprobs.view(shape), (entropy.view(shape) if with_entropy else None)
 
 
 # ---------------------------------------------------------------------------------------
@@ -182,7 +210,8 @@ def forward_logprobs(model, mb, temperature: float, dtype, with_entropy: bool, l
                 logits = model(**inputs, logits_to_keep=Tr + 1 if keep is None else keep, use_cache=False).logits
             logits = logits[:, :-1] if keep is None else logits[0]  # (B, Tr, V) or (K, V)
     targets = mb["responses"] if keep is None else mb["responses"][mask]
-    logprobs, entropy = chunked_logprobs_entropy(logits, targets, temperature, with_entropy, LOGITS_CHUNK)
+    logprobs, entropy = chunked_logprobs_entropy(logits, targets, temperature, with_entropy,
+                                                 logits_chunk(logits.device, logits.shape[-1]))
     if keep is not None:  # back from (K,) to (B, Tr)
         logprobs = unpacked(logprobs, mask)
         entropy = unpacked(entropy, mask) if with_entropy else None

@@ -8,7 +8,7 @@ import torch
 
 from critic import explained_variance, value_loss
 from kl import KLController, kl_estimate, kl_penalty_rewards
-from infra.batches import chunked_logprobs_entropy, entropy_from_logits, logprobs_from_logits, split_micro
+from infra.batches import chunked_logprobs_entropy, LogprobsEntropy, split_micro
 from advantages import (gae, grpo, masked_whiten, reinforce_plus_plus, reinforce_plus_plus_baseline, rloo, Settings,
                         varied_groups)
 from losses import agg_loss, cispo, Clip, Counts, gspo, rejection_mask, rollout_is_weights, vanilla
@@ -304,11 +304,16 @@ def test_policy_losses_share_the_gradient_at_ratio_one():
 
 
 def test_logprobs_and_entropy_match_torch_distributions():
-    """Gathered log-softmax and the entropy formula equal torch.distributions.Categorical's."""
+    """The chunked log-probs and entropies of softmax(logits / T) equal torch.distributions.Categorical's, whatever
+    the chunk (one position, an uneven split, all at once)."""
     logits, tokens = torch.randn(2, 3, 11), torch.randint(0, 11, (2, 3))
-    dist = torch.distributions.Categorical(logits=logits)
-    assert torch.allclose(logprobs_from_logits(logits, tokens), dist.log_prob(tokens), atol=1e-6)
-    assert torch.allclose(entropy_from_logits(logits), dist.entropy(), atol=1e-5)
+    dist = torch.distributions.Categorical(logits=logits / 0.7)
+    for chunk in (1, 4, 6):
+        logprobs, entropy = chunked_logprobs_entropy(logits, tokens, 0.7, True, chunk)
+        assert torch.allclose(logprobs, dist.log_prob(tokens), atol=1e-6)
+        assert torch.allclose(entropy, dist.entropy(), atol=1e-5)
+    logprobs, entropy = chunked_logprobs_entropy(logits, tokens, 0.7, False, 4)
+    assert entropy is None and torch.allclose(logprobs, dist.log_prob(tokens), atol=1e-6)
 
 
 def test_split_micro_token_budget():
@@ -383,18 +388,30 @@ def test_explained_variance():
     assert explained_variance(torch.full((1, 4), 2.0), returns, mask) == pytest.approx(0.0)
 
 
-def test_chunked_logprobs_entropy_equal_whole_and_keep_gradients():
-    """Computing log-probs and entropy a few positions at a time (recomputed in backward) gives the
-    same values and the same gradients as the whole tensor at once."""
-    logits = torch.randn(3, 5, 17, requires_grad=True)
-    tokens = torch.randint(0, 17, (3, 5))
-    lp_full = logprobs_from_logits(logits.float() / 0.7, tokens)
-    ent_full = entropy_from_logits(logits.float() / 0.7)
-    (g_full,) = torch.autograd.grad((lp_full + 0.1 * ent_full).sum(), logits)
-    lp, ent = chunked_logprobs_entropy(logits, tokens, 0.7, True, chunk=4)
-    (g_chunk,) = torch.autograd.grad((lp + 0.1 * ent).sum(), logits)
-    assert torch.allclose(lp, lp_full, atol=1e-6) and torch.allclose(ent, ent_full, atol=1e-5)
-    assert torch.allclose(g_chunk, g_full, atol=1e-6)
+def test_chunked_logprobs_entropy_gradients_by_hand_are_autograds():
+    """LogprobsEntropy's hand-written backward: gradcheck (float64) against finite differences for the log-probs, the
+    entropy and both together, chunked unevenly; in fp32 it equals autograd through log_softmax and the entropy
+    formula, also when the logits are bf16 (as under autocast), and leaves the logits untouched at T = 1."""
+    logits = torch.randn(7, 13, dtype=torch.float64, requires_grad=True)
+    tokens = torch.randint(0, 13, (7,))
+    for weights in ((1.0, 0.0), (0.0, 1.0), (1.0, 0.3)):
+        def f(z):
+            logprobs, entropy = LogprobsEntropy.apply(z, tokens, 0.7, True, 3)
+            return weights[0] * logprobs + weights[1] * entropy
+        assert torch.autograd.gradcheck(f, (logits,))
+    for dtype in (torch.float32, torch.bfloat16):
+        z = torch.randn(3, 5, 17).to(dtype).requires_grad_()
+        tokens, before = torch.randint(0, 17, (3, 5)), z.detach().clone()
+        lp, ent = chunked_logprobs_entropy(z, tokens, 1.0, True, chunk=4)
+        (g,) = torch.autograd.grad((lp + 0.1 * ent).sum(), z)
+        zf = z.detach().float().requires_grad_()
+        log_p = zf.log_softmax(-1)
+        lp_ref, ent_ref = log_p.gather(-1, tokens[..., None])[..., 0], -(log_p.exp() * log_p).sum(-1)
+        (g_ref,) = torch.autograd.grad((lp_ref + 0.1 * ent_ref).sum(), zf)
+        assert torch.allclose(lp, lp_ref, atol=1e-6) and torch.allclose(ent, ent_ref, atol=1e-5)
+        assert g.dtype == dtype and torch.allclose(g.float(), g_ref.to(dtype).float(), atol=1e-6 if dtype ==
+                                                   torch.float32 else 1e-2)
+        assert torch.equal(z.detach(), before)
 
 
 # ---- REINFORCE++
