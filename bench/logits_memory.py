@@ -7,8 +7,9 @@ every response token, the entropy in the loss), three ways, each in a fresh subp
 
     python bench/logits_memory.py [--model models/SmolLM2-135M-Instruct] [--batch 8] [--response 32] [--dtype bf16]
 
-Only the final norm trains, so that the backward runs through the head and the log-softmax (as under LoRA) and
-not into every weight's gradient. Prints, per way, the peak RSS above the loaded model (MB) and the median of --repeat forward+backward seconds.
+Only the final norm trains, so that the backward runs through the head and the log-softmax (as under LoRA) and not
+into every weight's gradient. Prints, per way, the peak RSS above the loaded model (MB) and the median seconds of
+--repeat forwards+backwards.
 """
 import argparse
 import os

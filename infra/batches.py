@@ -58,10 +58,10 @@ class LogprobsEntropy(torch.autograd.Function):
         lse = logsumexp(z),  log p = z − lse,  logprob = z[token] − lse,  H = lse − Σ p·z
         ∂logprob/∂z_j = 1[j = token] − p_j,  ∂H/∂z_j = −p_j (log p_j + H),  ∂z/∂logits = 1 / T
 
-    Only lse and H (N,) are kept beside the logits; backward recomputes p a chunk at a time. Autograd through
-    log_softmax and the entropy formula, recomputed under activation checkpointing to bound memory, made ~30 passes
-    over each fp32 chunk and cost more than the head's matmul it follows (issue 25); this makes a handful, no fp32
-    (N, V) tensor outlives its chunk. Computed in fp32, or in the logits' dtype where wider (float64: gradcheck)."""
+    Only lse and H (N,) are kept beside the logits; backward recomputes p a chunk at a time, and no fp32 (N, V) tensor
+    outlives its chunk. Autograd through log_softmax and the entropy formula, recomputed under activation checkpointing
+    to bound memory, cost more than the head's matmul it follows (issue 25; bench/logits_memory.py). Computed in fp32,
+    or in the logits' dtype where wider (float64: gradcheck)."""
 
     @staticmethod
     def forward(ctx, logits, tokens, temperature: float, with_entropy: bool, chunk: int):
