@@ -9,8 +9,9 @@
 
 Each step: 1. sample prompts, 2. generate, 3. score, 4. old/ref logprobs and values,
 5. rewards = score − β·KL, 6. advantages, 7. PPO epochs, 8. sync rollout weights, 9. log,
-10. checkpoint. The math is in the stage files beside this one (advantages.py, losses.py, kl.py, critic.py); the
-plumbing (command line, run folder, processes, model loading, the optimiser step, forwards) is in infra/.
+10. checkpoint. Steps 1–3 are sampling.py's (the rollout, the scores, dynamic sampling); the math is in the stage
+files beside this one (advantages.py, losses.py, kl.py, critic.py); the plumbing (command line, run folder,
+processes, model loading, the optimiser step, forwards) is in infra/.
 
 How this departs from the textbook (Schulman et al., 2017; Ziegler et al., 2019):
 1. An episode is one response; the task score arrives at its last real token (EOS included), and
@@ -64,7 +65,7 @@ import advantages
 import agent
 import judge
 import kl
-from advantages import COMPARES_SAMPLES, masked_mean, NEEDS_CRITIC, varied_groups
+from advantages import COMPARES_SAMPLES, masked_mean, NEEDS_CRITIC
 from critic import explained_variance, value_loss
 from infra import cli, config
 from infra.batches import autocast_dtype, Forward, micro_batch, per_token_pass, split_micro
@@ -81,9 +82,9 @@ from infra.trunk import plan_trunk
 from kl import KLController, kl_estimate, kl_penalty_rewards
 from losses import agg_loss, Clip, Counts, POLICY_LOSSES, rejection_mask, rollout_is_weights
 from data import load_prompts
-from rewards import (check_data_sources, check_reward_inputs, decode_responses, overlong_reward, rule_needing_truth,
-                     score_on_every_process, Scorer, validate)
-from rollout import cut_off, make_rollout, Samples
+from rewards import check_data_sources, check_reward_inputs, rule_needing_truth, Scorer, validate
+from rollout import make_rollout
+from sampling import Sampler, step_seed
 
 CONSOLE_KEYS = ["score/mean", "reward/mean", "kl/mean", "policy/entropy", "policy/clipfrac", "loss/policy",
                 "loss/value", "value/explained_var", "response/length_mean", "val/score/mean", "val/rule_score/mean",
@@ -181,84 +182,6 @@ def mini_batch_counts(mask, accelerator) -> Counts:
     The mean, not the sum, because DDP and FSDP2 average the processes' gradients (departure 4)."""
     counts = torch.tensor([max(float(mask.sum()), 1.0), float(len(mask))], device=accelerator.device)
     return Counts(*(accelerator.reduce(counts, "sum") / accelerator.num_processes).tolist())
-
-
-# ---------------------------------------------------------------------------------------
-# Steps 1–3: prompts → responses → scores, and DAPO's dynamic sampling over them
-
-
-@dataclass(frozen=True)
-class Sampler:
-    """Steps 1–3: prompts in the data order, n responses each, decoded, scored on every process, and the score shaped
-    for length (reward.overlong_penalty; DAPO's soft punishment, rewards.overlong_reward); with dynamic sampling, in
-    rounds (departure 6). Bound once (main)."""
-    rollout: object  # rollout.HFRollout or rollout.VLLMRollout, or agent.AgentRollout around one
-    tokenizer: object
-    scorer: Scorer
-    accelerator: Accelerator
-    cfg: config.Config
-    prompts: int  # this process's prompts per step (Sizes.prompts)
-
-    def batch(self, state, train_rows: list, step: int, times: dict) -> tuple[Samples, dict]:
-        """This process's prompts × n samples for `step`, and the metrics of their rounds. With
-        algorithm.filter_groups a round keeps only the prompts whose n scores differ (advantages.varied_groups), and
-        rounds go on until every process has its share; the first ones kept make the batch."""
-        t, fg, n = self.cfg.trainer, self.cfg.algorithm.filter_groups, self.cfg.rollout.n
-        rank, world = self.accelerator.process_index, self.accelerator.num_processes
-        kept, metrics, rounds = [], defaultdict(list), 0  # kept: Samples of the prompts kept, one per round
-        while rounds == 0 or (fg.enable and groups_short(kept, self.prompts, n, self.accelerator)):
-            if rounds == fg.max_num_gen_batches:
-                short = groups_short(kept, self.prompts, n, self.accelerator)
-                raise ConfigError(f"algorithm.filter_groups: after {rounds} rounds of {self.cfg.data.train_batch_size} "
-                                  f"prompts a process still lacks {short} of its {self.prompts} prompts whose samples "
-                                  f"score differently (the data is too easy or too hard for this policy); raise "
-                                  f"algorithm.filter_groups.max_num_gen_batches")
-            # ---- 1. sample prompts: one global batch from a seeded permutation, this process's slice of it
-            inds = state.next_prompts(len(train_rows), self.cfg.data.train_batch_size, t.seed, self.cfg.data.shuffle)
-            mine = [train_rows[i] for i in inds[rank * self.prompts:(rank + 1) * self.prompts]]
-            # ---- 2–3. generate n responses per prompt, score them
-            got, reward_metrics = self(mine, step_seed(t.seed, step, rank + rounds * world), times)
-            varied = varied_groups(got.scores, n) if fg.enable else torch.ones(len(mine), dtype=torch.bool)  # (B/n,)
-            kept.append(got.take(varied.repeat_interleave(n).nonzero()[:, 0].tolist()))
-            for key, value in {**reward_metrics, "sampling/varied_frac": varied.float().mean().item()}.items():
-                metrics[key].append(value)  # a mean over rounds
-            rounds += 1
-        samples = Samples.cat(kept, self.tokenizer.pad_token_id).take(list(range(self.prompts * n)))
-        return samples, {**metrics, "sampling/rounds": rounds}
-
-    def __call__(self, prompt_rows: list, seed: int, times: dict) -> tuple[Samples, dict]:
-        """Steps 2 and 3 for these prompts."""
-        ro_cfg, r, n = self.cfg.rollout, self.cfg.reward, self.cfg.rollout.n
-        with timed(times, "time/gen_s"):
-            ro = self.rollout.generate([row["prompt_ids"] for row in prompt_rows], n, ro_cfg.temperature, seed=seed)
-        rows = [row for row in prompt_rows for _ in range(n)]  # row i·n + j: sample j of prompt i
-        rows = agent.with_conversations(rows, ro)  # multi-turn: the reward reads each conversation
-        with timed(times, "time/reward_s"):
-            texts = decode_responses(self.tokenizer, ro)
-            scores, metrics = score_on_every_process(self.scorer, rows, texts, self.accelerator)  # (B,)
-            if self.scorer.judge_answers:  # reward.type=judge: its raw answers, for the sample table
-                rows = [{**row, "judge_answer": answer} for row, answer in zip(rows, self.scorer.judge_answers)]
-            lengths = (ro.response_mask if ro.attention_mask is None else ro.attention_mask).sum(1)  # (B,) tool too
-            truncated = cut_off(ro.responses, lengths, ro_cfg.max_response_length, self.rollout.eos_ids)  # (B,)
-            scores = scores + r.overlong_penalty * truncated.float()
-            if r.overlong_buffer_len:
-                scores = scores + overlong_reward(lengths, ro_cfg.max_response_length, r.overlong_buffer_len,
-                                                  r.overlong_penalty_factor)
-        return (Samples(rows, ro.responses, ro.response_mask, ro.logprobs, texts, scores, truncated, ro.attention_mask),
-                {**metrics, **ro.metrics})
-
-
-def groups_short(kept: list, need: int, n: int, accelerator) -> int:
-    """The prompts still missing on the process that lacks most (the same number on every process)."""
-    have = sum(len(samples.rows) for samples in kept) // n
-    return int(accelerator.reduce(torch.tensor(float(max(need - have, 0)), device=accelerator.device), "max").item())
-
-
-def step_seed(seed: int, step: int, stream: int) -> int:
-    """The seed of one random stream of one step: seed·100_003 + step·1_009 + stream, with two primes so that no
-    two (seed, step) pairs give the same number. stream: the process index + round × processes for sampling (round:
-    dynamic sampling's, 0 without), −1 for the mini-batch order (the same on every process)."""
-    return seed * 100_003 + step * 1_009 + stream
 
 
 def ref_logprobs(ref, policy, micro, fwd: Forward):
@@ -411,7 +334,7 @@ def main(cfg: config.Config):
     for step in bar:
         times, skipped_before, t0 = {}, state.skipped, time.perf_counter()
 
-        # ---- 1–3. sample prompts, generate n responses each, score them (Sampler.batch); with algorithm.filter_groups
+        # ---- 1–3. sample prompts, generate n responses each, score them (sampling.Sampler); with algorithm.filter_groups
         # (DAPO's dynamic sampling) in rounds, until every process holds its share of prompts whose scores differ
         samples, metrics = sample.batch(state, train_rows, step, times)
         rows, texts, scores, truncated = samples.rows, samples.texts, samples.scores, samples.truncated  # (B,) each
