@@ -103,3 +103,18 @@ def recorded_bases(checkpoint: str) -> dict:
         return {}
     with open(path) as f:
         return json.load(f).get("base_models", {})
+
+
+def changed_base(checkpoint: str, now: dict) -> Optional[str]:
+    """The sentence's middle for the first base model of `now` ({key: {"path", "fingerprint"}}, as runs.run_bases)
+    whose fingerprint differs from the one `checkpoint`'s manifest recorded, or None: its saved adapter or optimiser
+    state then belongs to other weights. Resume (runs.record_bases), a rollback to best/ (train_state.keep_best) and
+    tools/export.py all ask this."""
+    recorded = recorded_bases(checkpoint)
+    for key, base in now.items():
+        then = recorded.get(key)
+        if then and then["fingerprint"] and base["fingerprint"] and then["fingerprint"] != base["fingerprint"]:
+            return (f"{key}: the model at {base['path']} is not the one {checkpoint} was trained from (its config or "
+                    f"weights changed since: fingerprint {then['fingerprint'][:12]} then, {base['fingerprint'][:12]} "
+                    f"now)")
+    return None
