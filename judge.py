@@ -12,7 +12,9 @@ does not answer, or does not serve reward.judge.model, stops the run in one sent
 connect or got a 429 or 5xx is retried `max_retries` times, after backoff_s, 2·backoff_s, … seconds. A sample whose
 request still fails, or whose answer does not parse, scores 0 and counts in reward/judge_errors; when that is every
 sample of a batch the run stops (rewards.Scorer raises RewardError), as for a failing reward function. The judge's
-raw answers are shown in the sample table.
+raw answers are shown in the sample table. A reply that is not a chat completion (a proxy's HTML page, no choices)
+is such an error. The API key (the variable reward.judge.api_key_env names) goes only in the Authorization header to
+base_url: redirects are not followed, and an error that quotes the key shows *** instead.
 """
 import asyncio
 import difflib

@@ -26,9 +26,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from infra import cli
 from infra.config import ConfigError, SaveError, write_error
 from infra.distributed import load_training_state, save_training_state
-from infra.manifests import changed_base, checkpoint_problem, fingerprint, MANIFEST, write_manifest
+from infra.manifests import BASES_FILE, BEST, changed_base, checkpoint_problem, fingerprint, write_manifest
 
-BASES_FILE = "base_models.json"  # in output_dir: this run's base models and their fingerprints (record_bases)
 WRITE_ERRORS = (OSError, SafetensorError, CheckpointException)  # a full disk or a folder made read-only
 
 
@@ -51,9 +50,6 @@ def drop_metrics_after(path: str, step: int, moved_to: str = None) -> None:
             os.replace(target + ".tmp", target)
 
 
-BEST = "best"  # output_dir/best: the checkpoint of the best validation (trainer.best_metric)
-
-
 def best_step(output_dir: str) -> Optional[float]:
     """The step best/ was saved at, or None when there is none; infinity when its state.json cannot be read, so that
     set_aside_later moves a damaged best/ aside (unlost, never trusted) whatever step a run goes on from."""
@@ -73,25 +69,6 @@ def checkpoints(output_dir: str) -> list[str]:
         return []
     names = [n for n in os.listdir(output_dir) if re.fullmatch(r"step_\d+", n)]
     return [os.path.join(output_dir, n) for n in sorted(names, key=lambda n: int(n[5:]))]
-
-
-MANAGED = re.compile(rf"(step_\d+|{BEST}|final|abandoned)(\.tmp)?")  # the folders a run writes, prunes and replaces
-
-
-def check_outside_runs(path: str) -> None:
-    """An export's output folder that is, or lies in, a folder a run writes, prunes or replaces by itself is refused
-    in one sentence: a checkpoint anywhere (it has a manifest.json), or a step_<N>/, best/, final/ or abandoned/ of a
-    run's output_dir (known by the .lock and base_models.json that start_run writes there). tools/export.py and
-    tools/merge_lora.py ask this: the run would later delete or overwrite what they wrote."""
-    target = here = os.path.realpath(path)
-    while os.path.dirname(here) != here:
-        parent = os.path.dirname(here)
-        if os.path.isfile(os.path.join(here, MANIFEST)) or (MANAGED.fullmatch(os.path.basename(here)) and any(
-                os.path.exists(os.path.join(parent, marker)) for marker in (".lock", BASES_FILE))):
-            raise ConfigError(f"the output folder {path} {'is' if here == target else 'lies in'} {here}, which its run "
-                              f"writes, prunes or replaces by itself; choose a folder outside the run's checkpoints, "
-                              f"best/, final/ and abandoned/")
-        here = parent
 
 
 def save_checkpoint(accelerator, output_dir: str, step: int, keep: int, models: dict, state: dict,

@@ -25,9 +25,8 @@ import torch
 from infra import cli
 from infra.config import ConfigError
 from infra.distributed import load_training_state
-from infra.manifests import changed_base, checkpoint_problem, fingerprint
+from infra.manifests import changed_base, check_outside_runs, checkpoint_problem, fingerprint
 from infra.models import load_policy, load_tokenizer, save_pretrained_atomic
-from infra.runs import check_outside_runs
 
 
 def find_folder(path: str, checkpoint: str) -> str:

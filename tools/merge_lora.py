@@ -25,8 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch
 
 from infra.config import ConfigError
+from infra.manifests import check_outside_runs
 from infra.models import check_model_path, check_output_folder, save_pretrained_atomic
-from infra.runs import check_outside_runs
 
 
 def resolve_base(adapter_dir: str) -> str:
