@@ -240,7 +240,7 @@ def check_names(cfg) -> None:
     if cfg.algorithm.adv_estimator in COMPARES_SAMPLES and cfg.rollout.n < 2:
         raise ConfigError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares the samples of a prompt: "
                           f"set rollout.n ≥ 2 (it is {cfg.rollout.n})")
-    if cfg.algorithm.adv_estimator in COMPARES_SAMPLES and cfg.rollout.temperature == 0:  # a test's determinism
+    if cfg.algorithm.adv_estimator in COMPARES_SAMPLES and cfg.rollout.temperature == 0:  # not refused: tests use it
         cli.warn0(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares the samples of a prompt, and greedy "
                   f"ones (rollout.temperature=0) are one response {cfg.rollout.n} times, so every advantage is 0 and "
                   f"only a KL loss or an entropy bonus trains: set rollout.temperature > 0, e.g. 1.0")
