@@ -791,3 +791,18 @@ def test_export_checks_the_checkpoint_as_resume_does(workdir, two_steps, tmp_pat
     assert str(e.value).endswith(" now), so its adapter or weights would be put on other weights; put that model back "
                                  f"at {workdir}/model")
     assert not (out / "step_2_hf").exists()
+
+
+def test_a_best_whose_state_cannot_be_read_is_set_aside_on_resume(tmp_path):
+    """runs.set_aside_later read best/state.json unguarded (a damaged one was a JSONDecodeError traceback at
+    start-up): resuming at step 2 now moves an unreadable best/ aside, unlost and never trusted, keeping step_1 and
+    step_2."""
+    from infra.runs import best_step, set_aside_later
+    out = tmp_path / "run"
+    for step in (1, 2):
+        (out / f"step_{step}").mkdir(parents=True)
+    write(out / "best" / "state.json", '{"step": 1')
+    set_aside_later(str(out), 2, str(out / "metrics.jsonl"))
+    assert best_step(str(out)) is None and sorted(os.listdir(out)) == ["abandoned", "step_1", "step_2"]
+    (aside,) = os.listdir(out / "abandoned")
+    assert (out / "abandoned" / aside / "best" / "state.json").read_text() == '{"step": 1'
