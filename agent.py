@@ -54,25 +54,42 @@ HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 def parse_hermes(text: str, names) -> list[ToolCall]:
     """Every <tool_call>{"name": …, "arguments": {…}}</tool_call> in text (Qwen2.5's format, verl's `hermes`
-    parser). JSON that does not parse, a missing name or arguments, an unknown tool or an unclosed tag → a
-    ToolCall with its error."""
+    parser). JSON that does not parse (nested too deep for Python's parser included), a name that is not a string,
+    missing arguments, an unknown tool or an unclosed tag → a ToolCall with its error. A lone surrogate escape in the
+    JSON ("\\ud800", which no UTF-8 text can hold, so a tokenizer would fail on it) becomes U+FFFD."""
     calls = []
     for body in HERMES.findall(text):
         try:
-            call = json.loads(body)
+            call = clean_surrogates(json.loads(body))
             name, arguments = call["name"], call["arguments"]
-            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+            arguments = clean_surrogates(json.loads(arguments)) if isinstance(arguments, str) else arguments
+            if not isinstance(name, str):
+                raise TypeError(f"the name must be a string, not {type(name).__name__}")
             if not isinstance(arguments, dict):
                 raise TypeError("arguments must be a JSON object")
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, RecursionError) as e:
             calls.append(ToolCall("?", body, f"the call is not {{\"name\": …, \"arguments\": {{…}}}} JSON "
-                                             f"({type(e).__name__}: {e})"))
+                                             f"({type(e).__name__}: {str(e)[:200]})"))
             continue
         calls.append(ToolCall(name, arguments, None if name in names else
-                              f"there is no tool named {name!r}; the tools are {', '.join(sorted(names))}"))
+                              f"there is no tool named {name[:100]!r}; the tools are {', '.join(sorted(names))}"))
     if text.count("<tool_call>") > len(HERMES.findall(text)):
         calls.append(ToolCall("?", text[text.rfind("<tool_call>"):], "a <tool_call> is not closed by </tool_call>"))
     return calls
+
+
+def clean_surrogates(value):
+    """`value` (parsed JSON) with every lone surrogate in its strings, keys included, replaced by U+FFFD."""
+    if isinstance(value, str):
+        return SURROGATE.sub("\ufffd", value)
+    if isinstance(value, list):
+        return [clean_surrogates(v) for v in value]
+    if isinstance(value, dict):
+        return {clean_surrogates(k): clean_surrogates(v) for k, v in value.items()}
+    return value
+
+
+SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def parse_tag(text: str, names) -> list[ToolCall]:

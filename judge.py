@@ -12,9 +12,12 @@ does not answer, or does not serve reward.judge.model, stops the run in one sent
 connect or got a 429 or 5xx is retried `max_retries` times, after backoff_s, 2·backoff_s, … seconds. A sample whose
 request still fails, or whose answer does not parse, scores 0 and counts in reward/judge_errors; when that is every
 sample of a batch the run stops (rewards.Scorer raises RewardError), as for a failing reward function. The judge's
-raw answers are shown in the sample table.
+raw answers are shown in the sample table. A reply that is not a chat completion (a proxy's HTML page, no choices)
+is such an error. The API key (the variable reward.judge.api_key_env names) goes only in the Authorization header to
+base_url: redirects are not followed, and an error that quotes the key shows *** instead.
 """
 import asyncio
+import difflib
 import functools
 import os
 import re
@@ -26,16 +29,27 @@ from infra.config import ConfigError
 # ---------------------------------------------------------------------------------------
 # Answer → score
 
-NUMBER = re.compile(r"(?<![\d./])-?\d+(?:\.\d+)?")  # a whole number, not one after "/": "7/10" reads 7
+NUMBER = r"-?\d+(?:\.\d+)?"
+SCALED = re.compile(rf"(?<![\w.])({NUMBER})\s*(?:/|out\s+of|of)\s*(\d+(?:\.\d+)?)(?!\w|\.\d)", re.IGNORECASE)
+LONE = re.compile(rf"(?<![\w./]){NUMBER}")  # a number on its own: not the 10 of "7/10", nor a part of "v1.5"
 
 
 def parse_number(answer: str, low: float, high: float) -> float:
-    """(x − low) / (high − low), x the answer's last number ("Score: 7/10" → 7), which must lie in [low, high];
-    a ValueError otherwise."""
-    found = NUMBER.findall(answer)
-    if not found:
-        raise ValueError(f"no number in the judge's answer {answer[:200]!r}")
-    x = float(found[-1])
+    """(x − low) / (high − low), x the judge's score, which must lie in [low, high]; a ValueError otherwise.
+    x is the X of the answer's last "X/Y", "X out of Y" or "X of Y", whose scale Y must be `high` ("7/10",
+    "7 out of 10", "7.5 of 10" → 7, 7, 7.5 with high = 10; "4/5" is refused), or with no such phrase the answer's
+    last number ("Score: 7" → 7)."""
+    scaled = SCALED.findall(answer)
+    if scaled:
+        x, scale = (float(v) for v in scaled[-1])
+        if scale != high:
+            raise ValueError(f"the judge scored out of {scale:g}, not reward.judge.max_score={high:g} (answer "
+                             f"{answer[:200]!r})")
+    else:
+        found = LONE.findall(answer)
+        if not found:
+            raise ValueError(f"no number in the judge's answer {answer[:200]!r}")
+        x = float(found[-1])
     if not low <= x <= high:
         raise ValueError(f"the judge's score {x:g} is outside [{low:g}, {high:g}] (answer {answer[:200]!r})")
     return (x - low) / (high - low)
@@ -57,8 +71,13 @@ PARSERS = {"number": parse_number, "yes_no": parse_yes_no}  # reward.judge.parse
 # The prompt
 
 
+PLACEHOLDERS = ("prompt", "response", "ground_truth")  # what render fills in
+
+
 def read_template(path: Optional[str]) -> str:
-    """The text of reward.judge.prompt_template, which must show the judge the {response}."""
+    """The text of reward.judge.prompt_template, which must show the judge the {response} and spell each placeholder
+    right: a {word} that is one of PLACEHOLDERS but for its case or a letter or two ({respnse}, {Ground Truth})
+    would be sent as written. Other braces (JSON, LaTeX's \\boxed{answer}) stay as they are."""
     if not path:
         raise ConfigError("reward.judge.prompt_template is not set: give a text file holding the judge's prompt, "
                           "with {response} (and optionally {prompt}, {ground_truth}) in it")
@@ -66,6 +85,14 @@ def read_template(path: Optional[str]) -> str:
         raise ConfigError(f"reward.judge.prompt_template: file {path} does not exist")
     with open(path) as f:
         template = f.read()
+    allowed = ", ".join(f"{{{name}}}" for name in PLACEHOLDERS)
+    for word in re.findall(r"\{([\w \-]{1,40})\}", template):
+        near = difflib.get_close_matches(word.lower().replace(" ", "_").replace("-", "_"), PLACEHOLDERS, n=1,
+                                         cutoff=0.75)
+        if near and word not in PLACEHOLDERS:
+            raise ConfigError(f"reward.judge.prompt_template: {path} has {{{word}}}, which is not a placeholder and "
+                              f"would reach the judge as written; the placeholders are {allowed} (did you mean "
+                              f"{{{near[0]}}}?)")
     if "{response}" not in template:
         raise ConfigError(f"reward.judge.prompt_template: {path} has no {{response}}, so the judge would never see "
                           f"the response; put {{response}} where it goes")
@@ -84,7 +111,7 @@ def render(template: str, row: dict, response: str) -> str:
     "{prompt}" stays as it is; other braces, e.g. JSON, too)."""
     values = {"prompt": prompt_text(row["prompt"]), "response": response,
               "ground_truth": "" if row.get("ground_truth") is None else str(row["ground_truth"])}
-    return re.sub(r"\{(prompt|response|ground_truth)\}", lambda m: values[m.group(1)], template)
+    return re.sub(rf"\{{({'|'.join(PLACEHOLDERS)})\}}", lambda m: values[m.group(1)], template)
 
 
 # ---------------------------------------------------------------------------------------
@@ -95,19 +122,37 @@ def api_key(cfg) -> str:
     return os.environ.get(cfg.api_key_env) or "EMPTY"  # vLLM's server takes any key unless started with one
 
 
-def served_model(cfg) -> str:
-    """The model to ask: reward.judge.model, which the endpoint must serve, or (null) the only one it serves."""
+def client(cfg, timeout: float, *, asynchronous: bool = False):
+    """An OpenAI client of base_url whose key (from reward.judge.api_key_env) goes in the Authorization header to
+    base_url and nowhere else: redirects are not followed (the openai client follows them by default; httpx keeps
+    the key on a redirect from http to https, and the prompt on a 307 to any host), so a judge that redirects is an
+    error naming where to. No retries: Judge.ask's own, with their backoff."""
     import openai
 
+    Client, Http = ((openai.AsyncOpenAI, openai.DefaultAsyncHttpxClient) if asynchronous
+                    else (openai.OpenAI, openai.DefaultHttpxClient))
+    return Client(base_url=cfg.base_url, api_key=api_key(cfg), timeout=timeout, max_retries=0,
+                  http_client=Http(follow_redirects=False, timeout=timeout))
+
+
+def without_key(text: str, cfg) -> str:
+    """`text` (an error's message, which may quote a server's reply) with the API key, where there is one, replaced
+    by ***: the key never reaches the console, warnings or metrics."""
+    key = os.environ.get(cfg.api_key_env)
+    return text.replace(key, "***") if key and len(key) >= 4 else text
+
+
+def served_model(cfg) -> str:
+    """The model to ask: reward.judge.model, which the endpoint must serve, or (null) the only one it serves."""
     # The probe waits at least 10 s, whatever reward.judge.timeout_s (a per-answer limit) says.
-    with openai.OpenAI(base_url=cfg.base_url, api_key=api_key(cfg), timeout=max(cfg.timeout_s, 10.0),
-                       max_retries=0) as client:
+    with client(cfg, max(cfg.timeout_s, 10.0)) as probe:
         try:
-            served = [m.id for m in client.models.list()]
+            served = [m.id for m in probe.models.list()]
         except Exception as e:  # no server, not an OpenAI API, a refused key: one sentence, whichever it is
             raise ConfigError(f"reward.judge.base_url={cfg.base_url}: no OpenAI-compatible server answers there "
-                              f"({type(e).__name__}: {e}); start one (python -m vllm.entrypoints.openai.api_server "
-                              f"--model MODEL --port 8000) or correct the key") from None
+                              f"({type(e).__name__}: {without_key(error_text(e), cfg)}); start one (python -m "
+                              f"vllm.entrypoints.openai.api_server --model MODEL --port 8000) or correct the "
+                              f"key") from None
     if cfg.model is None:
         if len(served) != 1:
             raise ConfigError(f"reward.judge.model is null but {cfg.base_url} serves {served}; name the one to ask")
@@ -117,11 +162,23 @@ def served_model(cfg) -> str:
     return cfg.model
 
 
+def error_text(e: Exception) -> str:
+    """An endpoint error in a few words: a redirect names where to; other text is cut to 200 characters."""
+    response = getattr(e, "response", None)
+    if response is not None and response.is_redirect:
+        return f"it redirects to {response.headers.get('location')}, which is not followed: give that as base_url"
+    return " ".join(str(e).split())[:200]
+
+
 def check_judge(cfg) -> None:
     """Before any model loads: the endpoint answers and serves the model, the template is there, the range is one."""
     if not cfg.base_url:
         raise ConfigError("reward.judge.base_url is not set: give the judge's OpenAI-compatible endpoint, e.g. "
                           "http://127.0.0.1:8000/v1")
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", cfg.api_key_env):  # the value is not quoted: it may be a key
+        raise ConfigError("reward.judge.api_key_env must be the name of an environment variable (letters, digits and "
+                          "_, e.g. OPENAI_API_KEY) that holds the key: a key written in a config is saved in the "
+                          "run's config.yaml")
     read_template(cfg.prompt_template)
     if cfg.parser == "number" and not cfg.min_score < cfg.max_score:
         raise ConfigError(f"reward.judge.min_score ({cfg.min_score}) must be below reward.judge.max_score "
@@ -131,6 +188,17 @@ def check_judge(cfg) -> None:
 
 # ---------------------------------------------------------------------------------------
 # Scoring a batch
+
+
+def answer_of(reply) -> str:
+    """A chat completion's text; a ValueError for a reply that is not one (the openai client returns the body of a
+    reply that is not JSON, e.g. a proxy's HTML page, as a str) or has no choices."""
+    if isinstance(reply, str):
+        raise ValueError(f"the endpoint answered {' '.join(reply.split())[:80]!r}, not a chat completion")
+    if not getattr(reply, "choices", None):
+        raise ValueError("the endpoint's chat completion has no choices")
+    content = reply.choices[0].message.content
+    return content if isinstance(content, str) else ""
 
 
 @dataclass(frozen=True)
@@ -159,17 +227,14 @@ class Judge:
                 scores.append(self.parse(answer))
             except Exception as e:
                 scores.append(0.0)
-                errors.append(f"{type(e).__name__}: {e}")
+                errors.append(without_key(f"{type(e).__name__}: {error_text(e)}", self.cfg))
         return Judged(scores, raw, len(errors), errors[0] if errors else None)
 
     async def ask_all(self, prompts: list[str]) -> list:
         """Each prompt's answer, or the exception its last attempt raised; max_concurrency requests in flight."""
-        import openai
-
         limit = asyncio.Semaphore(self.cfg.max_concurrency)
-        async with openai.AsyncOpenAI(base_url=self.cfg.base_url, api_key=api_key(self.cfg), timeout=self.cfg.timeout_s,
-                                      max_retries=0) as client:  # retries are ask's, with its backoff
-            return await asyncio.gather(*(self.ask(client, limit, p) for p in prompts), return_exceptions=True)
+        async with client(self.cfg, self.cfg.timeout_s, asynchronous=True) as judge:
+            return await asyncio.gather(*(self.ask(judge, limit, p) for p in prompts), return_exceptions=True)
 
     async def ask(self, client, limit: asyncio.Semaphore, prompt: str) -> str:
         """One chat completion; after a timeout, a lost connection, a 429 or a 5xx it waits backoff_s·2^attempt
@@ -183,7 +248,7 @@ class Judge:
                     reply = await client.chat.completions.create(
                         model=self.model, messages=[{"role": "user", "content": prompt}],
                         max_tokens=self.cfg.max_tokens, temperature=self.cfg.temperature)
-                return reply.choices[0].message.content or ""
+                return answer_of(reply)
             except retried:
                 if attempt == self.cfg.max_retries:
                     raise

@@ -69,7 +69,7 @@ from advantages import COMPARES_SAMPLES, masked_mean, NEEDS_CRITIC
 from critic import explained_variance, value_loss
 from infra import cli, config
 from infra.batches import autocast_dtype, Forward, micro_batch, per_token_pass, split_micro
-from infra.checks import check_combinations, check_sizes
+from infra.checks import check_best_metric, check_combinations, check_sizes, rejection_band
 from infra.config import ConfigError
 from infra.distributed import fsdp_from_launcher, max_over_processes, use_cpu
 from infra.layouts import batch_layout
@@ -226,8 +226,8 @@ def guards(t, state, metrics: dict) -> tuple[Optional[str], Optional[str]]:
 
 def check_names(cfg) -> None:
     """Each name that picks a function from a stage's table is in it: an unknown one fails here, before anything
-    loads, never silently picking another; an estimator that compares a prompt's samples has more than one; and the
-    keys that only work together do (infra/checks.check_combinations)."""
+    loads, never silently picking another; an estimator that compares a prompt's samples has more than one (and is
+    warned about greedy ones); and the keys that only work together do (infra/checks.check_combinations)."""
     check_combinations(cfg)
     for key, name, table in (("algorithm.adv_estimator", cfg.algorithm.adv_estimator, advantages.ESTIMATORS),
                              ("actor.policy_loss", cfg.actor.policy_loss, POLICY_LOSSES),
@@ -240,6 +240,10 @@ def check_names(cfg) -> None:
     if cfg.algorithm.adv_estimator in COMPARES_SAMPLES and cfg.rollout.n < 2:
         raise ConfigError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares the samples of a prompt: "
                           f"set rollout.n ≥ 2 (it is {cfg.rollout.n})")
+    if cfg.algorithm.adv_estimator in COMPARES_SAMPLES and cfg.rollout.temperature == 0:  # not refused: tests use it
+        cli.warn0(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares the samples of a prompt, and greedy "
+                  f"ones (rollout.temperature=0) are one response {cfg.rollout.n} times, so every advantage is 0 and "
+                  f"only a KL loss or an entropy bonus trains: set rollout.temperature > 0, e.g. 1.0")
 
 
 def policy_loss_mask(batch: dict, truncated, cfg) -> tuple[torch.Tensor, dict]:
@@ -252,7 +256,7 @@ def policy_loss_mask(batch: dict, truncated, cfg) -> tuple[torch.Tensor, dict]:
         loss_mask = loss_mask * (~truncated).float()[:, None]
     if alg.rollout_rs != "off":
         kept = rejection_mask(batch["old_logprobs"], batch["rollout_logprobs"], response_mask, alg.rollout_rs,
-                              alg.rollout_rs_threshold_lower or 1 / alg.rollout_rs_threshold, alg.rollout_rs_threshold)
+                              *rejection_band(alg))
         metrics["rollout/rs_rejected_frac"] = 1 - masked_mean(kept, response_mask).item()
         loss_mask = loss_mask * kept
     return loss_mask, metrics
@@ -278,8 +282,7 @@ def main(cfg: config.Config):
         return None
     check_inputs(cfg, needs_critic)
     set_seed(cfg.trainer.seed)
-    t, alg, device = cfg.trainer, cfg.algorithm, accelerator.device
-    dtype = autocast_dtype(cfg.model.dtype)
+    t, alg, device, dtype = cfg.trainer, cfg.algorithm, accelerator.device, autocast_dtype(cfg.model.dtype)
     fsdp = fsdp_from_launcher(dtype)  # FSDP2 settings of an accelerate config file, or None
     tokenizer = policy_tokenizer(cfg.model)
 
@@ -288,6 +291,7 @@ def main(cfg: config.Config):
                                         rule_of=functools.partial(rule_needing_truth, cfg_reward=cfg.reward))
     sizes = check_sizes(cfg, accelerator.num_processes, len(train_rows))
     check_data_sources({r["data_source"] for r in train_rows + val_rows}, cfg.reward)  # each has a rule
+    check_best_metric(cfg, {r["data_source"] for r in val_rows}, agent.agent_metrics([]))  # validation logs it
     agent.check_multi_turn(cfg.rollout, tokenizer)  # multi-turn: the tools import, the template writes their answers
     n, B = cfg.rollout.n, sizes.batch
 

@@ -1,6 +1,7 @@
 """The checks of a config that need more than one key, before any model loads: ppo.py's derived batch sizes
-(check_sizes) and the settings that cannot work together (check_combinations). One key's type and range are
-infra/cli.py's."""
+(check_sizes), the settings that cannot work together (check_combinations) and a trainer.best_metric that
+validation never logs (check_best_metric). One key's type and range are infra/cli.py's."""
+import difflib
 import importlib.util
 from dataclasses import dataclass
 
@@ -53,9 +54,13 @@ def check_combinations(cfg) -> None:
         raise ConfigError(f"{' and '.join(asked)} corrects by the sampler's own logprobs, which only rollout.name=vllm "
                           f"gives ({'rollout.name is hf' if ro.name == 'hf' else 'vLLM is not installed'}); "
                           f"use rollout.name=vllm, or set {' and '.join(a.split('=')[0] for a in asked)} to off")
-    if alg.rollout_rs_threshold_lower > alg.rollout_rs_threshold:
-        raise ConfigError(f"algorithm.rollout_rs_threshold_lower={alg.rollout_rs_threshold_lower} is above "
-                          f"algorithm.rollout_rs_threshold={alg.rollout_rs_threshold}, so rejection would keep nothing")
+    low, high = rejection_band(alg)
+    if low >= high:
+        lower = (f"algorithm.rollout_rs_threshold_lower={low:g}" if alg.rollout_rs_threshold_lower else
+                 f"the lower bound 1 / algorithm.rollout_rs_threshold = {low:g} (rollout_rs_threshold_lower=0)")
+        raise ConfigError(f"{lower} is not below algorithm.rollout_rs_threshold={high:g}, so rejection would keep "
+                          f"nothing: set rollout_rs_threshold above 1 (it is the upper bound of ρ), or a "
+                          f"rollout_rs_threshold_lower below it")
     if alg.filter_groups.enable and ro.n < 2:
         raise ConfigError(f"algorithm.filter_groups.enable keeps the prompts whose samples score differently: set "
                           f"rollout.n ≥ 2 (it is {ro.n})")
@@ -65,8 +70,54 @@ def check_combinations(cfg) -> None:
     if cfg.reward.overlong_buffer_len > ro.max_response_length:
         raise ConfigError(f"reward.overlong_buffer_len={cfg.reward.overlong_buffer_len} is longer than "
                           f"rollout.max_response_length={ro.max_response_length}: make it at most that")
+    names = [spec.rpartition(":")[2] for spec in ro.multi_turn.tools]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if ro.multi_turn.enable and twice:
+        raise ConfigError(f"rollout.multi_turn.tools: two tools are named {twice[0]!r} (" + ", ".join(
+            spec for spec in ro.multi_turn.tools if spec.rpartition(":")[2] == twice[0]) + "), and the model calls a "
+            "tool by its function's name: rename one")
     if t.best_metric and not cfg.data.val_files:
         raise ConfigError(f"trainer.best_metric={t.best_metric} needs validation: set data.val_files")
     if t.rollback_tolerance is not None and not t.best_metric:
         raise ConfigError("trainer.rollback_tolerance rolls back to the best checkpoint: set trainer.best_metric too "
                           "(e.g. val/score/mean)")
+
+
+def rejection_band(alg) -> tuple[float, float]:
+    """[low, high], the band of ρ that algorithm.rollout_rs keeps: rollout_rs_threshold_lower (0: 1 / the upper
+    bound, as verl) to rollout_rs_threshold."""
+    return alg.rollout_rs_threshold_lower or 1 / alg.rollout_rs_threshold, alg.rollout_rs_threshold
+
+
+def validation_metrics(cfg, sources: set, turn_metrics=()) -> set[str]:
+    """Every name that ppo.py's validation can log (rewards.validate, Scorer.validation_metrics): val/score/mean and
+    val/<data_source>/score for the validation data's sources; with rollout.val_n = k > 1 and reward.type=rule,
+    val/pass@j/mean and val/<data_source>/pass@j for j = 1, 2, 4, … and k, and maj@k (logged where the rule gives
+    its answers); with a reward model or a judge, val/rule_score/mean; with rollout.multi_turn, val/<key> for each
+    key of `turn_metrics` (agent.agent_metrics)."""
+    k = cfg.rollout.val_n
+    names = {"val/score/mean"} | {f"val/{src}/score" for src in sources}
+    if k > 1 and cfg.reward.type == "rule":
+        kinds = [f"pass@{j}" for j in sorted({2 ** i for i in range(k.bit_length()) if 2 ** i <= k} | {k})]
+        for kind in kinds + [f"maj@{k}"]:
+            names |= {f"val/{kind}/mean"} | {f"val/{src}/{kind}" for src in sources}
+    if cfg.reward.type != "rule":
+        names.add("val/rule_score/mean")
+    if cfg.rollout.multi_turn.enable:
+        names |= {f"val/{key}" for key in turn_metrics}
+    return names
+
+
+def check_best_metric(cfg, sources: set, turn_metrics=()) -> None:
+    """trainer.best_metric is a name this run's validation logs (validation_metrics), checked once the validation
+    data is read and before any model loads; a misspelt one used to fail at the first validation, with
+    trainer.test_freq=0 only after the last step, losing the run."""
+    best = cfg.trainer.best_metric
+    if not best:
+        return
+    names = validation_metrics(cfg, sources, turn_metrics)
+    if best not in names:
+        near = difflib.get_close_matches(best, names, n=1, cutoff=0.6)
+        shown = sorted(names)[:20] + (["…"] if len(names) > 20 else [])
+        raise ConfigError(f"trainer.best_metric={best} is not a metric this run's validation logs (it logs "
+                          f"{', '.join(shown)})" + (f": did you mean {near[0]}?" if near else ""))

@@ -187,11 +187,16 @@ def load_config(path: Optional[str] = None, overrides: tuple = (), root=Config):
                               f"got {shown(tree)[:80]}")
     other = {f.name for r in (Config, RewardModelStage) if r is not root for f in dataclasses.fields(r)}
     tree = {k: v for k, v in tree.items() if k not in other}  # configs.yaml holds both entry points' sections
+    given = {}  # key → its value on the command line so far
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override `{item}` must look like key=value, e.g. trainer.total_steps=20")
-        key, value = item.split("=", 1)
-        _set_dotted(tree, key.strip(), value.strip(), root)
+        key, value = (part.strip() for part in item.split("=", 1))
+        if key in given and given[key] != value:  # examples/*.sh put "$@" after their own: a later one wins
+            warn0(f"`{key}` is given twice on the command line ({shown(given[key])}, then {shown(value)}): the last "
+                  f"one, {shown(value)}, is used")
+        given[key] = value
+        _set_dotted(tree, key, value, root)
     cfg = _build(root, tree, "", root)
     check_ranges(cfg)
     return cfg
@@ -281,18 +286,27 @@ def parse_args(argv: list[str], doc: str, root=Config):
                 value = getattr(value, part)
             print(f"  {key} ({value!r}) — {text}")
         sys.exit(0)
-    path, overrides, i = None, [], 0
+    paths, overrides, i = [], [], 0
     while i < len(argv):
         if argv[i] == "--config":
             if i + 1 >= len(argv):
                 raise ConfigError("--config needs a file, e.g. --config configs.yaml")
-            path, i = argv[i + 1], i + 2
+            paths, i = paths + [argv[i + 1]], i + 2
         elif argv[i].startswith("--config="):
-            path, i = argv[i].split("=", 1)[1], i + 1
+            paths, i = paths + [argv[i].split("=", 1)[1]], i + 1
         else:
             overrides.append(argv[i].removeprefix("--"))
             i += 1
-    return load_config(path, overrides, root)
+    if len(paths) > 1:  # the last file used to win, the others silently unread
+        raise ConfigError(f"--config is given {len(paths)} times ({', '.join(paths)}), and only one file is read: "
+                          f"give one, with the others' changes in it or as key=value overrides")
+    return load_config(paths[0] if paths else None, overrides, root)
+
+
+def warn0(message: str) -> None:
+    """"warning: <message>" on the console, printed by rank 0 only (RANK, as run_script reads it)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"warning: {message}", flush=True)
 
 
 def to_dict(cfg) -> dict:

@@ -163,10 +163,12 @@ class JudgeConfig:
     """environment variable holding the endpoint's API key (a local vLLM server needs none), so no key is saved
     in the run's config.yaml"""
     prompt_template: Optional[str] = None
-    """text file with the judge's prompt; {prompt}, {response} and {ground_truth} in it are replaced"""
+    """text file with the judge's prompt; {prompt}, {response} and {ground_truth} in it are replaced (a misspelt one,
+    e.g. {respnse}, is refused at start-up)"""
     parser: str = "number"
-    """how an answer becomes a score, a name in judge.PARSERS: number (its last number, in [min_score, max_score],
-    scaled to [0, 1]) or yes_no (its last yes or no: 1 or 0)"""
+    """how an answer becomes a score, a name in judge.PARSERS: number (X of its last "X/Y", "X out of Y" or "X of Y",
+    Y being max_score, else its last number; in [min_score, max_score], scaled to [0, 1]) or yes_no (its last yes or
+    no: 1 or 0)"""
     min_score: float = 0.0
     """number parser: the lowest score the prompt asks for"""
     max_score: float = 10.0

@@ -8,9 +8,15 @@ runs.intact_resume and runs.record_bases check it before any model loads).
 import hashlib
 import json
 import os
+import re
 from typing import Optional
 
+from infra.config import ConfigError
+
 MANIFEST = "manifest.json"
+BASES_FILE = "base_models.json"  # in output_dir: the run's base models and their fingerprints (runs.record_bases)
+BEST = "best"  # output_dir/best: the checkpoint of the best validation (trainer.best_metric)
+MANAGED = re.compile(rf"(step_\d+|{BEST}|final|abandoned)(\.tmp)?")  # the folders a run writes, prunes and replaces
 
 
 def sha256_of(path: str) -> str:
@@ -103,3 +109,34 @@ def recorded_bases(checkpoint: str) -> dict:
         return {}
     with open(path) as f:
         return json.load(f).get("base_models", {})
+
+
+def changed_base(checkpoint: str, now: dict) -> Optional[str]:
+    """The sentence's middle for the first base model of `now` ({key: {"path", "fingerprint"}}, as runs.run_bases)
+    whose fingerprint differs from the one `checkpoint`'s manifest recorded, or None: its saved adapter or optimiser
+    state then belongs to other weights. Resume (runs.record_bases), a rollback to best/ (train_state.keep_best) and
+    tools/export.py all ask this."""
+    recorded = recorded_bases(checkpoint)
+    for key, base in now.items():
+        then = recorded.get(key)
+        if then and then["fingerprint"] and base["fingerprint"] and then["fingerprint"] != base["fingerprint"]:
+            return (f"{key}: the model at {base['path']} is not the one {checkpoint} was trained from (its config or "
+                    f"weights changed since: fingerprint {then['fingerprint'][:12]} then, {base['fingerprint'][:12]} "
+                    f"now)")
+    return None
+
+
+def check_outside_runs(path: str) -> None:
+    """An export's output folder that is, or lies in, a folder a run writes, prunes or replaces by itself is refused
+    in one sentence: a checkpoint anywhere (it has a manifest.json), or a step_<N>/, best/, final/ or abandoned/ of a
+    run's output_dir (known by the .lock and base_models.json that runs.start_run writes there). tools/export.py and
+    tools/merge_lora.py ask this: the run would later delete or overwrite what they wrote."""
+    target = here = os.path.realpath(path)
+    while os.path.dirname(here) != here:
+        parent = os.path.dirname(here)
+        if os.path.isfile(os.path.join(here, MANIFEST)) or (MANAGED.fullmatch(os.path.basename(here)) and any(
+                os.path.exists(os.path.join(parent, marker)) for marker in (".lock", BASES_FILE))):
+            raise ConfigError(f"the output folder {path} {'is' if here == target else 'lies in'} {here}, which its run "
+                              f"writes, prunes or replaces by itself; choose a folder outside the run's checkpoints, "
+                              f"best/, final/ and abandoned/")
+        here = parent

@@ -9,6 +9,7 @@ models it was trained from. Resuming checks both before any model loads (intact_
 file is named, resume=auto falls back to the newest intact checkpoint, and a changed base model fails."""
 import fcntl
 import json
+import math
 import os
 import re
 import shutil
@@ -25,9 +26,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from infra import cli
 from infra.config import ConfigError, SaveError, write_error
 from infra.distributed import load_training_state, save_training_state
-from infra.manifests import checkpoint_problem, fingerprint, recorded_bases, write_manifest
+from infra.manifests import BASES_FILE, BEST, changed_base, checkpoint_problem, fingerprint, write_manifest
 
-BASES_FILE = "base_models.json"  # in output_dir: this run's base models and their fingerprints (record_bases)
 WRITE_ERRORS = (OSError, SafetensorError, CheckpointException)  # a full disk or a folder made read-only
 
 
@@ -50,16 +50,17 @@ def drop_metrics_after(path: str, step: int, moved_to: str = None) -> None:
             os.replace(target + ".tmp", target)
 
 
-BEST = "best"  # output_dir/best: the checkpoint of the best validation (trainer.best_metric)
-
-
-def best_step(output_dir: str) -> Optional[int]:
-    """The step best/ was saved at, or None when there is none."""
+def best_step(output_dir: str) -> Optional[float]:
+    """The step best/ was saved at, or None when there is none; infinity when its state.json cannot be read, so that
+    set_aside_later moves a damaged best/ aside (unlost, never trusted) whatever step a run goes on from."""
     path = os.path.join(output_dir, BEST, "state.json")
     if not os.path.exists(path):
         return None
-    with open(path) as f:
-        return json.load(f)["step"]
+    try:
+        with open(path) as f:
+            return int(json.load(f)["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return math.inf
 
 
 def checkpoints(output_dir: str) -> list[str]:
@@ -195,14 +196,10 @@ def record_bases(accelerator, cfg, stage: str, unused: frozenset, checkpoint) ->
         values = cli.flatten(cli.to_dict(cfg))
         bases = {key: {"path": values[key], "fingerprint": fingerprint(values[key])} for key in BASE_KEYS[stage]
                  if key not in unused and values.get(key)}
-        recorded = recorded_bases(checkpoint) if checkpoint else {}
-        for key, now in bases.items():
-            then = recorded.get(key)
-            if then and then["fingerprint"] and now["fingerprint"] and then["fingerprint"] != now["fingerprint"]:
-                raise ConfigError(f"{key}: the model at {now['path']} is not the one {checkpoint} was trained from "
-                                  f"(its config or weights changed since: fingerprint {then['fingerprint'][:12]} "
-                                  f"then, {now['fingerprint'][:12]} now); put that model back, or train from the new "
-                                  f"one in another output_dir (or with {stage}.resume=off)")
+        changed = checkpoint and changed_base(checkpoint, bases)
+        if changed:
+            raise ConfigError(f"{changed}; put that model back, or train from the new one in another output_dir (or "
+                              f"with {stage}.resume=off)")
         path = os.path.join(getattr(cfg, stage).output_dir, BASES_FILE)
         with open(path + ".tmp", "w") as f:
             json.dump(bases, f, indent=1)

@@ -12,7 +12,8 @@ from infra.distributed import full_state_dict, load_training_state, rng_state, s
 from infra.metrics import MetricsLogger, plot_curves, wandb_resume_id
 from infra.models import save_pretrained_atomic
 from infra.optim import restore_schedule
-from infra.runs import BEST, best_step, resume_or_start, save_checkpoint
+from infra.manifests import changed_base, checkpoint_problem
+from infra.runs import BEST, best_step, on_rank0, resume_or_start, run_bases, save_checkpoint
 
 
 class TrainState:
@@ -86,11 +87,26 @@ def restore_best(accelerator, output_dir: str, models: dict) -> dict:
     return state
 
 
+def best_problem(output_dir: str, best: dict) -> Optional[str]:
+    """Why best/ cannot be rolled back to, checked as resume checks a checkpoint (runs.intact_resume,
+    runs.record_bases), or None: it is missing (a resumed run moved a later best/ aside), a file differs from its
+    manifest, it holds another step than `best` ({"step", "value"}) says, or it was trained from other base weights."""
+    folder = os.path.join(output_dir, BEST)
+    if not os.path.isdir(folder):
+        return f"{folder} is missing"
+    problem = checkpoint_problem(folder) or changed_base(folder, run_bases(output_dir))
+    if problem is None and best_step(output_dir) != best["step"]:
+        problem = f"{folder} holds step {best_step(output_dir)}, not step {best['step']}"
+    return problem
+
+
 def keep_best(accelerator, cfg, val_metrics: dict, state: TrainState, checkpointed: dict) -> Optional[str]:
     """After a validation: best/ saved where trainer.best_metric beats its best so far; with trainer.rollback_tolerance,
     best/ restored where it falls further than that below it (ppo.py, departure 7), at most trainer.max_rollbacks
     times. Returns the rollback's sentence, or None. The first validation after step 1 is the first candidate: best/
-    holds optimiser states, which do not exist before the first update."""
+    holds optimiser states, which do not exist before the first update.
+    best/ is checked first (best_problem): a damaged or missing one is said once and never read; the run goes on
+    from its own weights, and no rollback is tried again until a better validation writes a new best/."""
     t = cfg.trainer
     if t.best_metric not in val_metrics:
         raise ConfigError(f"trainer.best_metric={t.best_metric} is not a validation metric of this run; it logs "
@@ -101,10 +117,17 @@ def keep_best(accelerator, cfg, val_metrics: dict, state: TrainState, checkpoint
         save_checkpoint(accelerator, t.output_dir, state.step, 0, checkpointed, state.state_dict(), folder=BEST)
         return None
     if (t.rollback_tolerance is None or value >= best["value"] - t.rollback_tolerance
-            or state.rollbacks >= t.max_rollbacks or best_step(t.output_dir) != best["step"]):
-        return None  # best_step differs where a resumed run set a later best/ aside (set_aside_later)
+            or state.rollbacks >= t.max_rollbacks or best.get("problem")):
+        return None
+    fell = (f"{t.best_metric} {value:.4g} fell more than trainer.rollback_tolerance {t.rollback_tolerance} below its "
+            f"best, {best['value']:.4g} at step {best['step']}")
+    problem = on_rank0(accelerator, lambda: best_problem(t.output_dir, best))
+    if problem:
+        best["problem"] = problem  # in state.json too: a resumed run does not try again
+        return (f"no rollback at step {state.step}: {fell}, but best/ cannot be restored ({problem}); training goes "
+                f"on from the current weights, and best/ is written anew when {t.best_metric} beats "
+                f"{best['value']:.4g}")
     saved = restore_best(accelerator, t.output_dir, checkpointed)
     state.kl_ctrl.value, state.recent_kl, state.rollbacks = saved["kl_coef"], saved["recent_kl"], state.rollbacks + 1
-    return (f"rollback at step {state.step}: {t.best_metric} {value:.4g} fell more than trainer.rollback_tolerance "
-            f"{t.rollback_tolerance} below its best, {best['value']:.4g} at step {best['step']}; best/'s weights, "
-            f"optimiser states and β restored (rollback {state.rollbacks} of at most {t.max_rollbacks})")
+    return (f"rollback at step {state.step}: {fell}; best/'s weights, optimiser states and β restored (rollback "
+            f"{state.rollbacks} of at most {t.max_rollbacks})")

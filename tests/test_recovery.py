@@ -18,6 +18,7 @@ import time
 import pytest
 
 from conftest import make_tiny_model, read_metrics, REPO
+from infra import cli
 from infra.config import ConfigError
 from test_faults import no_model_loads, ppo_config, write  # noqa: F401 (no_model_loads is a fixture)
 from test_ppo import base_args, run_ppo, workdir  # noqa: F401 (workdir is a fixture)
@@ -622,3 +623,186 @@ def test_new_weights_at_the_base_models_path_fail_the_resume(workdir, tmp_path, 
                                    f"(its config or weights changed since: fingerprint ")
     assert str(e.value).endswith("now); put that model back, or train from the new one in another output_dir (or "
                                  "with trainer.resume=off)")
+
+
+# ---- issue 34: best/ is restored only when intact, and exports stay out of a run's own folders
+
+
+def test_a_best_damaged_during_the_run_is_said_once_and_never_restored(workdir, tmp_path):  # noqa: F811
+    """A 3-step run validating every step (rollout.val_n=2), best/ kept by val/score/mean with a rollback tolerance
+    of 0.5: validation scores 1 at step 1 and 0 after, and the reward's first call of step 2's validation flips a
+    byte of best/'s tensors. A rollback used to load them unchecked and step_2 then saved them with a fresh, valid
+    manifest. Now: one sentence naming the damaged file, no rollback (train/rollbacks stays 0) and none tried again
+    at step 3, exit 0; best/ is left as it is (still failing its own manifest), and the later checkpoints hold the
+    trained weights, intact. Every val/ metric logged is one that start-up's check_best_metric allows."""
+    import torch
+    from infra.manifests import checkpoint_problem
+    from test_ppo import checkpoint_tensors, write_reward
+    out, counter, marker = tmp_path / "run", tmp_path / "val_calls", tmp_path / "damaged"
+    reward = write_reward(tmp_path / "reward.py", f"""
+    if index < 64:  # training rows
+        return sum(c.isdigit() for c in text) / 8.0
+    with open({str(counter)!r}, "a") as f:
+        f.write("x")
+    calls = os.path.getsize({str(counter)!r})
+    if calls > 32:  # past step 1's validation (16 prompts × 2): damage best/ once
+        try:
+            os.close(os.open({str(marker)!r}, os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return 0.0
+        tensors = os.path.join({str(out / "best" / "tensors")!r}, os.listdir({str(out / "best" / "tensors")!r})[0])
+        data = bytearray(open(tensors, "rb").read())
+        data[-100] ^= 0xFF
+        open(tensors, "wb").write(bytes(data))
+    return 1.0 if calls <= 32 else 0.0
+""")
+    proc = run_ppo(workdir, out, reward, "trainer.total_steps=3", "trainer.test_freq=1", "trainer.save_freq=1",
+                   "trainer.keep_checkpoints=3", "trainer.best_metric=val/score/mean", "trainer.rollback_tolerance=0.5",
+                   "rollout.val_n=2", "rollout.val_temperature=1.0", *QUIET[1:])
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr
+    damaged = tensors_file(out / "best")
+    problem = f"{damaged} has changed since it was written (its sha256 differs)"
+    assert proc.stdout.count("no rollback at step") == 1 and "rollback at step" not in proc.stdout.replace(
+        "no rollback at step", "")
+    assert (f"no rollback at step 2: val/score/mean 0 fell more than trainer.rollback_tolerance 0.5 below its best, "
+            f"1 at step 1, but best/ cannot be restored ({problem}); training goes on from the current weights, and "
+            f"best/ is written anew when val/score/mean beats 1") in proc.stdout
+    lines = [line for line in read_metrics(out) if line["step"] > 0]
+    assert [line["val/score/mean"] for line in lines] == [1.0, 0.0, 0.0]
+    assert [line["train/rollbacks"] for line in lines] == [0, 0, 0]
+    assert checkpoint_problem(str(out / "best")) == problem  # not re-recorded
+    assert all(checkpoint_problem(str(out / f"step_{n}")) is None for n in (1, 2, 3))
+    best, step_2 = checkpoint_tensors(out / "best"), checkpoint_tensors(out / "step_2")
+    assert not all(torch.equal(best[k], step_2[k]) for k in best)  # a rollback would have made them equal
+    state = json.loads((out / "step_3" / "state.json").read_text())
+    assert state["best"] == {"step": 1, "value": 1.0, "problem": problem}  # a resumed run does not try again
+    from infra.checks import validation_metrics
+    cfg = ppo_config(workdir, out, "rollout.val_n=2", "rollout.val_temperature=1.0")
+    logged = {key for line in lines for key in line if key.startswith("val/")}
+    allowed = validation_metrics(cfg, {"arithmetic"})
+    assert logged <= allowed and allowed - logged == {"val/maj@2/mean", "val/arithmetic/maj@2"}  # no "pred": no maj
+
+
+class OneProcess:
+    """The accelerator keep_best needs, for one process."""
+    is_main_process, num_processes = True, 1
+
+    def wait_for_everyone(self):
+        pass
+
+
+@pytest.fixture
+def best_saved(tmp_path):
+    """keep_best on a Linear layer after one Adam step, in an output_dir whose run recorded a base fingerprint:
+    the first validation (1.0, step 1) saved best/. Returns (keep: value, step → keep_best's sentence, state, the
+    layer, output_dir)."""
+    import torch
+    from infra.train_state import keep_best, TrainState
+    from kl import KLController
+    out = tmp_path / "run"
+    write(out / "base_models.json", json.dumps({"model.path": {"path": "m", "fingerprint": "a" * 64}}))
+    cfg = cli.load_config(None, ["trainer.best_metric=val/score/mean", "trainer.rollback_tolerance=0.5",
+                                 f"trainer.output_dir={out}", "data.val_files=v.parquet"])
+    layer = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.Adam(layer.parameters())
+    layer(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    state = TrainState(KLController("fixed", 0.1, 6.0, 10000), {})
+
+    def keep(value, step):
+        state.step = step
+        return keep_best(OneProcess(), cfg, {"val/score/mean": value}, state, {"policy": (layer, optimizer)})
+    assert keep(1.0, 1) is None and (out / "best" / "manifest.json").exists()
+    return keep, state, layer, out
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process, no process group: as meant
+@pytest.mark.parametrize("damage, problem", [
+    (lambda out: shutil.rmtree(out / "best"), "{out}/best is missing"),
+    (lambda out: write(out / "base_models.json", json.dumps({"model.path": {"path": "m", "fingerprint": "b" * 64}})),
+     "model.path: the model at m is not the one {out}/best was trained from (its config or weights changed since: "
+     "fingerprint aaaaaaaaaaaa then, bbbbbbbbbbbb now)"),
+    (lambda out: (out / "best" / "rng_0.json").unlink(), "{out}/best/rng_0.json is missing"),
+], ids=["missing", "other base weights", "a file missing"])
+def test_a_rollback_to_a_best_that_resume_would_refuse_is_skipped_once(best_saved, damage, problem):
+    """best/ checked as resume checks a checkpoint (its files, and the base fingerprint its manifest recorded
+    against this run's): when it fails, keep_best says so in one sentence, restores nothing, and tries no rollback
+    again; a better validation then writes a fresh best/, which a later fall rolls back to."""
+    import torch
+    keep, state, layer, out = best_saved
+    damage(out)
+    weights = layer.weight.detach().clone()
+    sentence = keep(0.0, 2)
+    assert sentence.startswith("no rollback at step 2: val/score/mean 0 fell more than trainer.rollback_tolerance 0.5 "
+                               "below its best, 1 at step 1, but best/ cannot be restored (")
+    assert f"({problem.format(out=out)}); training goes on" in sentence and state.rollbacks == 0
+    assert torch.equal(layer.weight, weights) and keep(0.0, 3) is None  # said once
+    write(out / "base_models.json", json.dumps({"model.path": {"path": "m", "fingerprint": "a" * 64}}))
+    assert keep(2.0, 4) is None and state.best == {"step": 4, "value": 2.0}  # a fresh best/
+    at_best = layer.weight.detach().clone()
+    with torch.no_grad():
+        layer.weight.add_(1.0)
+    assert keep(0.5, 5).startswith("rollback at step 5:") and state.rollbacks == 1
+    assert torch.equal(layer.weight, at_best)
+
+
+@pytest.mark.parametrize("inside", ["step_2/hf", "step_1", "final/merged", "best/hf", "abandoned/x/hf", "step_9.tmp"])
+def test_exports_into_a_runs_own_folders_are_refused(workdir, two_steps, tmp_path, no_model_loads, inside):  # noqa: F811
+    """tools/export.py and tools/merge_lora.py with an output folder in a checkpoint, best/, final/ or abandoned/ of
+    the run (which it prunes or overwrites later, deleting the export): one sentence, before any model loads,
+    nothing written."""
+    from tools.export import export
+    from tools.merge_lora import merge_lora
+    out = copy_run(two_steps, tmp_path)
+    shutil.copytree(two_steps / "final", out / "final")
+    (out / "best").mkdir()
+    before = files_of(out)
+    target = out / inside
+    managed = out / inside.split("/")[0]
+    for tool in (lambda: export(str(out / "step_2"), str(target)), lambda: merge_lora(str(out / "final"), str(target))):
+        with pytest.raises(ConfigError) as e:
+            tool()
+        assert str(e.value) == (f"the output folder {target} {'is' if target == managed else 'lies in'} {managed}, "
+                                f"which its run writes, prunes or replaces by itself; choose a folder outside the "
+                                f"run's checkpoints, best/, final/ and abandoned/")
+    assert files_of(out) == before
+
+
+def test_export_checks_the_checkpoint_as_resume_does(workdir, two_steps, tmp_path, no_model_loads):  # noqa: F811
+    """tools/export.py read a checkpoint without its manifest: a damaged file is now named and refused (exit 1, one
+    sentence), and so is a base model whose fingerprint differs from the one the manifest recorded, before any model
+    loads. (test_ppo.py's export test exports intact checkpoints through the same checks.)"""
+    from tools.export import export
+    out = copy_run(two_steps, tmp_path)
+    flip_a_byte(tensors_file(out / "step_1"))
+    proc = subprocess.run([sys.executable, "tools/export.py", str(out / "step_1"), str(tmp_path / "one")], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr and not (tmp_path / "one").exists()
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"tools/export.py: the checkpoint {out}/step_1 is damaged: {tensors_file(out / 'step_1')} has changed since it "
+        f"was written (its sha256 differs); export another checkpoint")
+    manifest = json.loads((out / "step_2" / "manifest.json").read_text())
+    manifest["base_models"]["model.path"]["fingerprint"] = "0" * 64  # as if trained from other weights at that path
+    (out / "step_2" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ConfigError) as e:
+        export(str(out / "step_2"), str(out / "step_2_hf"))
+    assert str(e.value).startswith(f"model.path: the model at {workdir}/model is not the one {out}/step_2 was trained "
+                                   f"from (its config or weights changed since: fingerprint 000000000000 then, ")
+    assert str(e.value).endswith(" now), so its adapter or weights would be put on other weights; put that model back "
+                                 f"at {workdir}/model")
+    assert not (out / "step_2_hf").exists()
+
+
+def test_a_best_whose_state_cannot_be_read_is_set_aside_on_resume(tmp_path):
+    """runs.set_aside_later read best/state.json unguarded (a damaged one was a JSONDecodeError traceback at
+    start-up): resuming at step 2 now moves an unreadable best/ aside, unlost and never trusted, keeping step_1 and
+    step_2."""
+    from infra.runs import best_step, set_aside_later
+    out = tmp_path / "run"
+    for step in (1, 2):
+        (out / f"step_{step}").mkdir(parents=True)
+    write(out / "best" / "state.json", '{"step": 1')
+    set_aside_later(str(out), 2, str(out / "metrics.jsonl"))
+    assert best_step(str(out)) is None and sorted(os.listdir(out)) == ["abandoned", "step_1", "step_2"]
+    (aside,) = os.listdir(out / "abandoned")
+    assert (out / "abandoned" / aside / "best" / "state.json").read_text() == '{"step": 1'

@@ -10,7 +10,9 @@ How the policy was built (model.path, the LoRA fields) comes from the run's conf
 trained weights from the checkpoint's tensors/ (written on any process count). A relative model.path is looked up
 from the current directory, then from the checkpoint's parent folders (ppo.py runs from the repository root). An
 output folder that exists and is not empty is refused unless --overwrite; the folder is written under a temporary
-name and renamed.
+name and renamed. It may not lie in a checkpoint, best/, final/ or abandoned/ of a run (which the run replaces or
+prunes later). The checkpoint is checked as resume checks it, before anything loads: every file against its
+manifest, and the base model against the fingerprint the manifest recorded.
 """
 import argparse
 import os
@@ -23,6 +25,7 @@ import torch
 from infra import cli
 from infra.config import ConfigError
 from infra.distributed import load_training_state
+from infra.manifests import changed_base, check_outside_runs, checkpoint_problem, fingerprint
 from infra.models import load_policy, load_tokenizer, save_pretrained_atomic
 
 
@@ -41,12 +44,21 @@ def export(checkpoint: str, output_dir: str, merge: bool = False, overwrite: boo
     if not all(os.path.exists(os.path.join(checkpoint, name)) for name in ("state.json", "tensors")):
         raise ConfigError(f"{checkpoint} is not a checkpoint (a step_<N>/ or best/ folder of a ppo.py run, with "
                           f"state.json and tensors/); final/ needs no export, it is an HF folder already")
+    check_outside_runs(output_dir)
+    problem = checkpoint_problem(checkpoint)
+    if problem:
+        raise ConfigError(f"the checkpoint {checkpoint} is damaged: {problem}; export another checkpoint")
     saved_config = os.path.join(os.path.dirname(os.path.abspath(checkpoint)), "config.yaml")
     if not os.path.isfile(saved_config):
         raise ConfigError(f"{saved_config} is missing: the run's config.yaml says how its policy was built; copy it "
                           f"beside the checkpoint folder")
     cfg = cli.load_config(saved_config)
     cfg.model.path = find_folder(cfg.model.path, checkpoint)
+    changed = changed_base(checkpoint, {"model.path": {"path": cfg.model.path,
+                                                       "fingerprint": fingerprint(cfg.model.path)}})
+    if changed:
+        raise ConfigError(f"{changed}, so its adapter or weights would be put on other weights; put that model back "
+                          f"at {cfg.model.path}")
     cfg.model.gradient_checkpointing = False  # a training setting; nothing here trains
     tokenizer_path = find_folder(cfg.model.tokenizer_path or cfg.model.path, checkpoint)
     if merge and not cfg.model.lora_rank:

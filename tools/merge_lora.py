@@ -10,7 +10,8 @@ It works from any directory: a relative base path in adapter_config.json is look
 then from the adapter folder's parents (ppo.py runs from the repository root and writes it relative to there).
 
 An output folder that exists and is not empty is refused unless --overwrite, and the adapter's and the base's own
-folders are refused always; the merged model is written to a temporary folder beside it, then renamed. Code in a
+folders are refused always, and so is one in a checkpoint, best/, final/ or abandoned/ of a run (which the run
+replaces or prunes later); the merged model is written to a temporary folder beside it, then renamed. Code in a
 model folder (an auto_map) runs only with --trust-remote-code; pickle weights (*.bin) are refused, with the command
 that converts them.
 """
@@ -24,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch
 
 from infra.config import ConfigError
+from infra.manifests import check_outside_runs
 from infra.models import check_model_path, check_output_folder, save_pretrained_atomic
 
 
@@ -79,6 +81,7 @@ def merge_lora(adapter_dir: str, output_dir: str, base: str = None, overwrite: b
     base = base or resolve_base(adapter_dir)
     check_model_path(base, "--base", trust_remote_code=trust_remote_code)
     inputs = (adapter_dir,) + ((base,) if os.path.isdir(base) else ())
+    check_outside_runs(output_dir)
     check_output_folder(output_dir, overwrite, inputs)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, use_safetensors=True,
                                                  trust_remote_code=trust_remote_code)  # with its generation config
