@@ -244,7 +244,7 @@ def check_remote(cfg) -> None:
 
 
 def read_rewards(body: bytes, count: int) -> tuple[list[float], dict]:
-    """A server's answer → (rewards, extra_logs' numbers as {key: mean}); ServerError when it is not JSON holding
+    """A server's answer → (rewards, extra_logs' lists of numbers); ServerError when it is not JSON holding
     "rewards" (or "scores"): `count` finite numbers."""
     try:
         answer = json.loads(body)
@@ -258,9 +258,9 @@ def read_rewards(body: bytes, count: int) -> tuple[list[float], dict]:
     if not all(isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x) for x in found):
         raise ServerError(f"the rewards are not all finite numbers: {str(found)[:200]}")
     logs = answer.get("extra_logs") if isinstance(answer.get("extra_logs"), dict) else {}
-    means = {key: sum(v) / len(v) for key, v in logs.items() if isinstance(v, list) and v and all(
+    numeric = {key: [float(x) for x in v] for key, v in logs.items() if isinstance(v, list) and all(
         isinstance(x, numbers.Real) and math.isfinite(x) for x in v)}
-    return [float(x) for x in found], means
+    return [float(x) for x in found], numeric
 
 
 class RemoteScorer:
@@ -299,11 +299,11 @@ class RemoteScorer:
                 got, more, errors = [0.0] * len(piece["query"]), {}, errors + len(piece["query"])
                 first = first or f"{type(e).__name__}: {e}"
             scores += got
-            for key, value in more.items():
-                logs.setdefault(key, []).append(value)
+            for key, values in more.items():
+                logs.setdefault(key, []).extend(values)
         count_failures(f"the reward server {self.cfg.url}", errors, len(texts), first)
         metrics = {"reward/remote_errors": float(errors),
-                   **{f"reward/remote/{key}": sum(v) / len(v) for key, v in logs.items()}}
+                   **{f"reward/remote/{key}": sum(v) / len(v) for key, v in logs.items() if v}}
         return Scores(torch.tensor(scores, dtype=torch.float32), metrics=metrics)
 
     async def post_all(self, pieces: list[dict]) -> list:
