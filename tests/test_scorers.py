@@ -359,3 +359,34 @@ def test_a_teacher_with_another_vocabulary_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"algorithm.teacher.path=.*other: its tokenizer's vocabulary is not the") as e:
         check_teacher(SimpleNamespace(path=other), model)
     assert str(e.value).count(". ") == 0
+
+
+def test_ppo_with_step_rewards_and_its_own_start_as_teacher(tmp_path):
+    """ppo.py end to end for 2 steps with a step-reward function and, as teacher (mode=reward), the folder the policy
+    starts from: at step 1 (LoRA's B = 0, the policy is its start) teacher/kl_mean is 0, so the rewards are the
+    score plus the step rewards (≥ 0.1 for every response, whose end is a step): reward/mean ≥ score/mean + 0.1; the
+    teacher's pass is timed, and after an update (REINFORCE++, which reads each token's reward) the policy has moved
+    away from the teacher."""
+    import data
+    import subprocess
+    import sys
+    from conftest import read_metrics, REPO
+    from test_ppo import base_args
+    make_tiny_model(tmp_path / "model")
+    rows = data.make_arithmetic(40, seed=0)
+    data.write_parquet(rows[:32], str(tmp_path / "train.parquet"))
+    data.write_parquet(rows[32:], str(tmp_path / "val.parquet"))
+    (tmp_path / "steps.py").write_text(STEP_REWARD)
+    out = tmp_path / "out"
+    args = [a for a in base_args(tmp_path, out) if not a.startswith("reward.function")]
+    cmd = [sys.executable, "ppo.py", "--config", "configs.yaml", *args, f"reward.function={tmp_path}/steps.py",
+           f"algorithm.teacher.path={tmp_path}/model", "algorithm.teacher.coef=1.0", "trainer.total_steps=2",
+           "algorithm.adv_estimator=reinforce_plus_plus",  # takes the token rewards as they are
+           "trainer.val_before_train=false", "trainer.test_freq=0", "trainer.save_freq=0", "trainer.sample_freq=0",
+           "trainer.plot_curves=false"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    steps = [m for m in read_metrics(out) if m["step"] > 0]
+    assert [m["step"] for m in steps] == [1, 2] and all("time/teacher_s" in m for m in steps)
+    assert abs(steps[0]["teacher/kl_mean"]) < 1e-5 and abs(steps[1]["teacher/kl_mean"]) > 1e-5
+    assert steps[0]["reward/step_samples"] == 16 and steps[0]["reward/mean"] >= steps[0]["score/mean"] + 0.1 - 1e-6
