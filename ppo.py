@@ -15,7 +15,8 @@ processes, model loading, the optimiser step, forwards) is in infra/.
 
 How this departs from the textbook (Schulman et al., 2017; Ziegler et al., 2019):
 1. An episode is one response; the task score arrives at its last real token (EOS included), and
-   the optional KL penalty at every token.
+   the optional KL penalty at every token, beside any token rewards (a reward function's steps, an environment's
+   turns, a teacher's −coef·KL with on-policy distillation).
 2. old_logprobs are recomputed by the training model, never taken from the sampler: vLLM's
    kernels and precision differ slightly. The gap is logged (rollout/*) and can be corrected by
    truncated importance sampling (algorithm.rollout_is) or by leaving the farthest samples out (algorithm.rollout_rs).
@@ -24,8 +25,8 @@ How this departs from the textbook (Schulman et al., 2017; Ziegler et al., 2019)
    forward, saving a whole forward pass. The ratio is then exactly 1, as it must be.
 4. Losses are normalised by the token (or sequence) count of the whole mini-batch over all
    processes, so gradient accumulation and the number of processes do not change the gradient.
-5. GRPO/RLOO take a response's return as the sum of its token rewards (the score, minus the KL
-   penalty when use_kl_in_reward), and spread one advantage over all its tokens.
+5. GRPO/RLOO/REINFORCE++-baseline take a response's return as the sum of its token rewards (the score, the token
+   rewards, minus the KL penalty when use_kl_in_reward), as verl does, and spread one advantage over all its tokens.
 6. Dynamic sampling (algorithm.filter_groups, DAPO) fills each process's share of the batch from that process's own
    rounds; every process runs as many rounds as the one that needs most, so all stay in step and in the data order
    (verl, with one controller, pools the kept prompts of the whole batch).
@@ -41,6 +42,7 @@ The batch, a dict of tensors with one row per sequence, filled step by step (mic
     rollout_logprobs             (B, Tr)  2. the sampler's; absent where the rollout has none (rollout.name=hf)
     old_logprobs                 (B, Tr)  4. the policy's before the update; absent under departure 3
     ref_logprobs                 (B, Tr)  4. the reference's; absent without a KL term (reward or loss)
+    teacher_logprobs             (B, Tr)  4. on-policy distillation's teacher's; absent without algorithm.teacher.path
     old_values                   (B, Tr)  4. the critic's; absent without a critic
     trunk_prompt, trunk_response (B, Tq, H), (B, Tr, H)  4. the frozen trunk's output (infra/trunk.py); absent without
     advantages, returns          (B, Tr)  6. returns are the critic's targets

@@ -266,10 +266,11 @@ class Scorer:
         self.sources = reward_sources(cfg_reward)  # [(name, weight)]
         setup = Setup(torch.device(device), dtype, tokenizer, trust_remote_code, stop)
         self.scorers = {name: SCORERS[name](cfg_reward, setup) for name, _ in self.sources}
-        self.is_rule = set(self.scorers) <= {"rule", "function"}  # every score a rule's: pass@k and maj@k hold
+        # the score is one rule's at weight 1: pass@k and maj@k read it; else validation also logs the task's rule on
+        # the same answers (val/rule_score/mean: does what a reward model, judge or server likes score?), which is
+        # reward.function where it is set (its worker shared), else the built-ins
+        self.is_rule = len(self.sources) == 1 and self.sources[0] in (("rule", 1.0), ("function", 1.0))
         self.custom_rule = bool(cfg_reward.function)  # the task's rule is reward.function, which scores every row
-        # the task's rule on the same answers (val/rule_score/mean): does what a reward model, judge or server likes
-        # score? reward.function where it is set (its worker shared), else the built-ins
         self.task_rule = None if self.is_rule else (
             self.scorers["function"].worker if "function" in self.scorers else
             load_reward_function(cfg_reward.function, cfg_reward.timeout_s, stop))

@@ -33,8 +33,8 @@ def validate(cfg, rollout, tokenizer, scorer, val_rows, accelerator) -> dict:
 def validation_metrics(scorer, rows: list[dict], texts: list[str], sources: list, accelerator, k: int = 1) -> dict:
     """Over the rows of every process (`sources`: every data_source of the validation set), rows i·k … i·k + k − 1
     being one prompt's k samples: val/score/mean and val/<data_source>/score, the mean score (mean@k); with k > 1
-    and rule sources only, pass@j and maj@k (pass_and_majority); with a reward model, judge or server among the
-    sources, val/rule_score/mean: the task's rule on the same answers, over the rows with a ground truth and a rule."""
+    and a score that is one rule's (Scorer.is_rule), pass@j and maj@k (pass_and_majority); with any other score,
+    val/rule_score/mean: the task's rule on the same answers, over the rows with a ground truth and a rule."""
     got = score_on_every_process(functools.partial(scorer, rows, texts), accelerator)
     sums = torch.zeros(len(sources), 2)  # (sum of scores, count) per data_source
     for row, score in zip(rows, got.scores.tolist()):
