@@ -171,7 +171,21 @@ class CriticConfig:
 
 
 @dataclass
-class JudgeConfig:
+class RequestFields:
+    """How an HTTP scorer (the judge, a reward server: judge.with_retries) sends its requests."""
+    max_concurrency: int = 8
+    """requests in flight at once"""
+    timeout_s: float = 30.0
+    """seconds one request may take before it is retried"""
+    max_retries: int = 2
+    """retries of a request that timed out, could not connect or got a 429/5xx, after backoff_s, 2·backoff_s, …
+    seconds"""
+    backoff_s: float = 1.0
+    """seconds before the first retry"""
+
+
+@dataclass
+class JudgeConfig(RequestFields):
     base_url: Optional[str] = None
     """the judge's OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000/v1 (vLLM's server); asked before any model
     loads"""
@@ -194,34 +208,16 @@ class JudgeConfig:
     score's noise is the policy's alone"""
     max_tokens: int = 64
     """longest answer of the judge, in tokens"""
-    max_concurrency: int = 8
-    """requests in flight at once"""
-    timeout_s: float = 30.0
-    """seconds one request may take before it is retried"""
-    max_retries: int = 2
-    """retries of a request that timed out, could not connect or got a 429/5xx, after backoff_s, 2·backoff_s, …
-    seconds"""
-    backoff_s: float = 1.0
-    """seconds before the first retry"""
 
 
 @dataclass
-class RemoteRewardConfig:
+class RemoteRewardConfig(RequestFields):
     url: Optional[str] = None
     """a reward server (reward.sources=[remote]): each batch is POSTed there as JSON in OpenRLHF's --remote_rm_url
     format, {"query": [prompt + response text], "prompts": [...], "labels": [ground truths]} (and "responses",
     "data_sources", "extra_info" beside), and {"rewards": [one number per sample]} (or "scores") comes back"""
     request_size: int = 0
     """samples per request; 0 = the whole batch in one"""
-    max_concurrency: int = 4
-    """requests in flight at once"""
-    timeout_s: float = 60.0
-    """seconds one request may take before it is retried"""
-    max_retries: int = 2
-    """retries of a request that timed out, could not connect or got a 429/5xx, after backoff_s, 2·backoff_s, …
-    seconds"""
-    backoff_s: float = 1.0
-    """seconds before the first retry"""
 
 
 @dataclass
