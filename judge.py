@@ -4,7 +4,7 @@ An LLM judge (reward.sources=[judge]): each response is written into a prompt te
 OpenAI-compatible endpoint (vLLM's server, or any other); its answer, parsed, is the score.
 
     python -m vllm.entrypoints.openai.api_server --model models/SmolLM2-135M-Instruct --port 8000 &   # a local judge
-    accelerate launch ppo.py --config configs.yaml reward.sources=[judge] reward.judge.parser=yes_no \\
+    accelerate launch ppo.py --config configs.yaml reward.sources=judge reward.judge.parser=yes_no \\
         reward.judge.base_url=http://127.0.0.1:8000/v1 reward.judge.prompt_template=examples/judge_prompt.txt
 
 reward.sources=[rule,judge] with reward.weights adds the rule's and the judge's scores. Before any model loads,

@@ -6,7 +6,7 @@ calls, RewardModelScorer, are in scorers.py: PPO never imports this training scr
     accelerate launch reward_model.py --config configs.yaml reward_model.total_steps=20 reward_model.lora_rank=0
     accelerate launch --config_file accelerate_configs/ddp_cpu.yaml reward_model.py --config configs.yaml
     python reward_model.py --help                                                # every config key
-    accelerate launch ppo.py --config configs.yaml reward.sources=[model] reward.model_path=outputs/reward_model/final
+    accelerate launch ppo.py --config configs.yaml reward.sources=model reward.model_path=outputs/reward_model/final
 
 The demo (`make reward-model`, the defaults: LoRA in the top 8 of SmolLM2-135M's 30 layers, lr 5e-4, 60 steps
 of 16 pairs, fp32) ran in 4.2 min on 2 shared CPU cores to val/rm/accuracy 0.865 on 200 held-out pairs of

@@ -227,8 +227,8 @@ SCORERS = {"rule": RuleScorer, "function": FunctionScorer, "model": RewardModelS
 
 def check_model_source(cfg_reward, trust_remote_code: bool) -> None:
     if not cfg_reward.model_path:
-        raise ConfigError("reward.sources lists model, which needs reward.model_path (the final/ folder written by "
-                          "reward_model.py)")
+        spelled = f"reward.type={cfg_reward.type}" if cfg_reward.type else "reward.sources with model"
+        raise ConfigError(f"{spelled} needs reward.model_path (the final/ folder written by reward_model.py)")
     check_model_path(cfg_reward.model_path, "reward.model_path", trust_remote_code=trust_remote_code)
 
 
