@@ -41,8 +41,8 @@ class TeacherConfig:
     """reward: −coef·KL_t(π ‖ π_teacher) joins each token's reward (a dense reward, as verl's and TRL's on-policy
     distillation); loss: coef·KL is added to the policy loss, as the KL loss to the reference is"""
     kl_estimator: str = "k1"
-    """the per-token estimate of KL(π ‖ π_teacher), a name in kl.ESTIMATORS (k1 = log π − log π_teacher: the
-    reverse KL of on-policy distillation)"""
+    """the per-token estimate of KL(π ‖ π_teacher), a name in kl.ESTIMATORS: k1 = log π − log π_teacher, the reverse
+    KL of on-policy distillation, as a reward; with mode=loss use k3 (k1's gradient is zero in expectation)"""
 
 
 @dataclass
@@ -232,7 +232,9 @@ class RewardConfig:
     """the old spelling, still read: rule = sources [rule] (or [function] with reward.function), model = [model],
     judge = [judge]; both and rule+judge are refused with their new spelling"""
     function: Optional[str] = None
-    """your reward (source function): path/to/file.py:name with verl's compute_score signature"""
+    """your reward (source function): path/to/file.py:name with verl's compute_score signature, returning a number or
+    a dict with "score" (and, for rewards per token, "step_rewards" with "step_ends": the character offsets where
+    each step ends); beside a reward model, judge or server, the task's rule of val/rule_score/mean"""
     model_path: Optional[str] = None
     """reward model folder (AutoModelForSequenceClassification), for source model"""
     normalize: bool = False
