@@ -25,17 +25,19 @@ def validate(cfg, rollout, tokenizer, scorer, val_rows, accelerator) -> dict:
     texts = decode_responses(tokenizer, ro)
     sources = sorted({r["data_source"] for r in val_rows})
     rows = with_conversations([r for r in mine for _ in range(k)], ro)  # multi-turn: the reward reads them
-    metrics = validation_metrics(scorer, rows, texts, sources, accelerator, k)
+    metrics = validation_metrics(scorer, rows, texts, sources, accelerator, k, ro=ro)
     turn_metrics = reduce_metrics(accelerator, ro.metrics) if ro.metrics else {}  # agent/*: multi-turn only
     return {**metrics, **{f"val/{key}": value for key, value in turn_metrics.items()}}
 
 
-def validation_metrics(scorer, rows: list[dict], texts: list[str], sources: list, accelerator, k: int = 1) -> dict:
+def validation_metrics(scorer, rows: list[dict], texts: list[str], sources: list, accelerator, k: int = 1,
+                       ro=None) -> dict:
     """Over the rows of every process (`sources`: every data_source of the validation set), rows i·k … i·k + k − 1
     being one prompt's k samples: val/score/mean and val/<data_source>/score, the mean score (mean@k); with k > 1
     and a score that is one rule's (Scorer.is_rule), pass@j and maj@k (pass_and_majority); with any other score,
-    val/rule_score/mean: the task's rule on the same answers, over the rows with a ground truth and a rule."""
-    got = score_on_every_process(functools.partial(scorer, rows, texts), accelerator)
+    val/rule_score/mean: the task's rule on the same answers, over the rows with a ground truth and a rule. ro: the
+    rollout.Rollout of the texts, which a scorer may read (a reward server's query: the tokens), or None."""
+    got = score_on_every_process(functools.partial(scorer, rows, texts, ro), accelerator)
     sums = torch.zeros(len(sources), 2)  # (sum of scores, count) per data_source
     for row, score in zip(rows, got.scores.tolist()):
         sums[sources.index(row["data_source"])] += torch.tensor([score, 1.0])
