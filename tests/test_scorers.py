@@ -191,6 +191,39 @@ def test_samples_carry_token_rewards_and_extras_through_rounds():
     assert Samples.cat([samples(2, None, {})], 0).token_rewards is None
 
 
+def test_the_sampler_adds_the_rollouts_token_rewards_to_the_scorers(tmp_path):
+    """Sampler step 2–3 with a rollout that rewards a turn during the rollout (Rollout.token_rewards, as an
+    environment would) and a step-reward function: Samples.token_rewards is the sum of the two, the score is the
+    function's, and each sample's extras travel in Samples.extras."""
+    from rewards import Scores
+    from rollout import Samples
+    from sampling import Sampler
+    from scorers import Scorer
+    path = tmp_path / "steps.py"
+    path.write_text(STEP_REWARD)
+    tok = merging_tokenizer()
+    texts = ["What is\n7", "8"]
+    turn_rewards = torch.zeros(rollout_of(tok, texts).responses.shape)  # (2, Tr)
+    turn_rewards[0, 1] = 0.5
+
+    class Rollout:
+        eos_ids = {tok.eos_token_id}
+
+        def generate(self, prompts, n, temperature, seed):
+            ro = rollout_of(tok, texts)
+            ro.token_rewards = turn_rewards
+            return ro
+    accelerator = SimpleNamespace(device=torch.device("cpu"), reduce=lambda x, op: x)
+    cfg = load_config(None, [f"reward.function={path}:compute_score", "rollout.n=2"])
+    scorer = Scorer(cfg.reward, "cpu", None, tokenizer=tok)
+    sample = Sampler(Rollout(), tok, scorer, accelerator, cfg, 1)
+    got, metrics = sample([dict(ROWS[0], prompt_ids=[1])], seed=0, times={})
+    alone = scorer([ROWS[0]] * 2, texts, rollout_of(tok, texts))
+    assert isinstance(got, Samples) and isinstance(alone, Scores) and got.scores.tolist() == [1.0, 0.0]
+    assert torch.allclose(got.token_rewards, alone.token_rewards + turn_rewards)
+    assert got.extras == [{}, {}] and metrics["reward/function/mean"] == 0.5
+
+
 # ---- a remote reward server
 
 
