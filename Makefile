@@ -96,7 +96,7 @@ reward-model: $(MODEL) preferences
 # the demo's rule on the same greedy answers, so reward hacking shows as the two drifting apart.
 rlhf: reward-model $(DATA)
 	OMP_NUM_THREADS=$(THREADS) .venv/bin/accelerate launch --num_processes 1 ppo.py --config configs.yaml \
-		reward.type=model reward.model_path=outputs/reward_model/final reward.normalize=true \
+		reward.sources=model reward.model_path=outputs/reward_model/final reward.normalize=true \
 		trainer.output_dir=outputs/rlhf $(RLHF_ARGS)
 
 # The agent demo: three-digit sums with a calculator tool the model calls between turns (agent.py); the keys are in

@@ -4,7 +4,8 @@ Every estimator has one calling convention, so that ppo.py's step 6 is one line 
 
     advantages, returns = ESTIMATORS[name](rewards, response_mask, values, s)      all (B, Tr)
 
-rewards are the token rewards (the score at the last real token, − β·KL at every token with KL in the reward),
+rewards are the token rewards (the score at the last real token, the scorers', the rollout's and a teacher's token
+rewards, − β·KL at every token with KL in the reward),
 values the critic's (None without one), s the run's `Settings`; returns are what the critic regresses on (GAE's),
 else the estimator's own. Adding an estimator: write one such function below and add its name to ESTIMATORS (and
 to NEEDS_CRITIC or COMPARES_SAMPLES when it needs a critic or compares the samples of a prompt); the name is then a

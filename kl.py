@@ -36,13 +36,16 @@ ESTIMATORS = {"k1": lambda log_ratio: -log_ratio, "k2": lambda log_ratio: 0.5 * 
               "abs": lambda log_ratio: log_ratio.abs()}
 
 
-def kl_penalty_rewards(scores: torch.Tensor, kl: torch.Tensor, response_mask: torch.Tensor, beta: float):
-    """rewards_t = −β·KL_t at every response token, and + score at the last real token.
+def kl_penalty_rewards(scores: torch.Tensor, kl: torch.Tensor, response_mask: torch.Tensor, beta: float,
+                       token_rewards=None):
+    """rewards_t = token_rewards_t − β·KL_t at every response token, and + score at the last real token.
 
-    scores (B,), kl and response_mask (B, Tr) → rewards (B, Tr); padding and gaps (mask 0 between real tokens, as
-    verl's agent loop makes them for tool output) get 0, and "last" is the last token whose mask is 1.
+    scores (B,), kl, response_mask and token_rewards (B, Tr; None: 0, a reward at the end only) → rewards (B, Tr);
+    padding and gaps (mask 0 between real tokens, as verl's agent loop makes them for tool output) get 0, and "last"
+    is the last token whose mask is 1.
     """
-    rewards = -beta * kl * response_mask  # (B, Tr)
+    dense = -beta * kl if token_rewards is None else token_rewards - beta * kl
+    rewards = dense * response_mask  # (B, Tr)
     position = torch.arange(1, response_mask.shape[1] + 1, device=response_mask.device)  # (Tr,) 1 … Tr
     last = (response_mask * position).argmax(dim=1)  # (B,) index of the last real token
     rewards[torch.arange(len(scores)), last] += scores

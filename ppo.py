@@ -15,7 +15,8 @@ processes, model loading, the optimiser step, forwards) is in infra/.
 
 How this departs from the textbook (Schulman et al., 2017; Ziegler et al., 2019):
 1. An episode is one response; the task score arrives at its last real token (EOS included), and
-   the optional KL penalty at every token.
+   the optional KL penalty at every token, beside any token rewards (a reward function's steps, an environment's
+   turns, a teacher's −coef·KL with on-policy distillation).
 2. old_logprobs are recomputed by the training model, never taken from the sampler: vLLM's
    kernels and precision differ slightly. The gap is logged (rollout/*) and can be corrected by
    truncated importance sampling (algorithm.rollout_is) or by leaving the farthest samples out (algorithm.rollout_rs).
@@ -24,8 +25,8 @@ How this departs from the textbook (Schulman et al., 2017; Ziegler et al., 2019)
    forward, saving a whole forward pass. The ratio is then exactly 1, as it must be.
 4. Losses are normalised by the token (or sequence) count of the whole mini-batch over all
    processes, so gradient accumulation and the number of processes do not change the gradient.
-5. GRPO/RLOO take a response's return as the sum of its token rewards (the score, minus the KL
-   penalty when use_kl_in_reward), and spread one advantage over all its tokens.
+5. GRPO/RLOO/REINFORCE++-baseline take a response's return as the sum of its token rewards (the score, the token
+   rewards, minus the KL penalty when use_kl_in_reward), as verl does, and spread one advantage over all its tokens.
 6. Dynamic sampling (algorithm.filter_groups, DAPO) fills each process's share of the batch from that process's own
    rounds; every process runs as many rounds as the one that needs most, so all stay in step and in the data order
    (verl, with one controller, pools the kept prompts of the whole batch).
@@ -41,12 +42,14 @@ The batch, a dict of tensors with one row per sequence, filled step by step (mic
     rollout_logprobs             (B, Tr)  2. the sampler's; absent where the rollout has none (rollout.name=hf)
     old_logprobs                 (B, Tr)  4. the policy's before the update; absent under departure 3
     ref_logprobs                 (B, Tr)  4. the reference's; absent without a KL term (reward or loss)
+    teacher_logprobs             (B, Tr)  4. on-policy distillation's teacher's; absent without algorithm.teacher.path
     old_values                   (B, Tr)  4. the critic's; absent without a critic
     trunk_prompt, trunk_response (B, Tq, H), (B, Tr, H)  4. the frozen trunk's output (infra/trunk.py); absent without
     advantages, returns          (B, Tr)  6. returns are the critic's targets
     loss_mask                    (B, Tr)  6. the tokens the policy loss sees: response_mask less the responses that
                                              reward.overlong_filter drops and the tokens algorithm.rollout_rs rejects
 """
+import dataclasses
 import functools
 import signal
 import sys
@@ -69,12 +72,12 @@ from advantages import COMPARES_SAMPLES, masked_mean, NEEDS_CRITIC
 from critic import explained_variance, value_loss
 from infra import cli, config
 from infra.batches import autocast_dtype, Forward, micro_batch, per_token_pass, split_micro
-from infra.checks import check_best_metric, check_combinations, check_sizes, rejection_band
+from infra.checks import check_combinations, check_sizes, rejection_band
 from infra.config import ConfigError
 from infra.distributed import fsdp_from_launcher, max_over_processes, use_cpu
 from infra.layouts import batch_layout
 from infra.metrics import check_loggers, console_line, reduce_metrics, sample_table, sum_over_processes, timed
-from infra.models import check_model_folders, load_models, policy_tokenizer
+from infra.models import check_model_folders, check_teacher, load_models, load_teacher, policy_tokenizer
 from infra.optim import make_optimizer, train_step
 from infra.runs import Interrupted, save_checkpoint, skipped_steps_error, start_run, StopSignal
 from infra.train_state import keep_best, resume, save_final, TrainState
@@ -82,9 +85,11 @@ from infra.trunk import plan_trunk
 from kl import KLController, kl_estimate, kl_penalty_rewards
 from losses import agg_loss, Clip, Counts, POLICY_LOSSES, rejection_mask, rollout_is_weights
 from data import load_prompts
-from rewards import check_data_sources, check_reward_inputs, rule_needing_truth, Scorer, validate
+from rewards import check_data_sources, rule_needing_truth
 from rollout import make_rollout
-from sampling import Sampler, step_seed
+from sampling import add_token_rewards, Sampler, shown_samples, step_seed
+from scorers import check_reward_inputs, Scorer
+from validation import check_best_metric, validate
 
 CONSOLE_KEYS = ["score/mean", "reward/mean", "kl/mean", "policy/entropy", "policy/clipfrac", "loss/policy",
                 "loss/value", "value/explained_var", "response/length_mean", "val/score/mean", "val/rule_score/mean",
@@ -109,13 +114,16 @@ class ActorLoss:
     kl_loss_type: str
     rollout_is: str  # off, token, sequence or sequence_mean
     rollout_is_threshold: float
+    teacher_loss_coef: float = 0.0  # on-policy distillation with algorithm.teacher.mode=loss; 0: none
+    teacher_kl: str = "k1"  # its KL estimator
 
     @classmethod
     def from_config(cls, cfg, fwd: Forward):
-        a, alg = cfg.actor, cfg.algorithm
+        a, alg, teacher = cfg.actor, cfg.algorithm, cfg.algorithm.teacher
         return cls(fwd, POLICY_LOSSES[a.policy_loss], Clip(a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c),
                    a.loss_agg_mode, a.loss_scale_factor or cfg.rollout.max_response_length, a.entropy_coef,
-                   alg.use_kl_loss, alg.kl_loss_coef, alg.kl_loss_type, alg.rollout_is, alg.rollout_is_threshold)
+                   alg.use_kl_loss, alg.kl_loss_coef, alg.kl_loss_type, alg.rollout_is, alg.rollout_is_threshold,
+                   teacher.coef if teacher.path and teacher.mode == "loss" else 0.0, teacher.kl_estimator)
 
     def __call__(self, policy, micro: dict, counts: Counts):
         mask = micro["loss_mask"].float()
@@ -141,6 +149,11 @@ class ActorLoss:
             # kl/mean is always k1, whichever estimator the penalty or the loss uses, so that trainer.max_kl means
             # one thing: unbiased like k3, without k3's heavy tail (r − 1 − log r for a token nearly dropped)
             metrics["kl/mean"] = masked_mean(kl_estimate(old_logprobs, micro["ref_logprobs"], "k1"), mask).item()
+        if "teacher_logprobs" in micro:  # on-policy distillation: KL(π ‖ π_teacher), in the loss with mode=loss
+            if self.teacher_loss_coef:
+                loss = loss + self.teacher_loss_coef * kl_estimate(logprobs, micro["teacher_logprobs"], self.teacher_kl)
+            metrics["teacher/kl_mean"] = masked_mean(kl_estimate(old_logprobs, micro["teacher_logprobs"], "k1"),
+                                                     mask).item()
         metrics.update({"loss/policy": masked_mean(pg.detach(), mask).item(),
                         "policy/clipfrac": masked_mean(clipped, mask).item(),
                         "policy/approx_kl": masked_mean(kl_estimate(old_logprobs, logprobs.detach(), "k3"),
@@ -155,6 +168,10 @@ class CriticLoss:
     fwd: Forward
     cliprange_value: float
     vf_coef: float
+
+    @classmethod
+    def from_config(cls, cfg, fwd: Forward):
+        return cls(fwd, cfg.critic.cliprange_value, cfg.critic.vf_coef)
 
     def __call__(self, critic, micro: dict, counts: Counts):
         mask = micro["response_mask"].float()
@@ -190,6 +207,29 @@ def ref_logprobs(ref, policy, micro, fwd: Forward):
         return fwd.logprobs(ref, micro)[0]
     with unwrap_model(policy).disable_adapter():
         return fwd.logprobs(unwrap_model(policy), micro)[0]
+
+
+def needs_old_logprobs(cfg, num_mini: int) -> bool:
+    """Whether step 4 computes old_logprobs: not under departure 3 (one epoch of one mini-batch, no KL in the reward,
+    to the reference or to a teacher, and no rejection sampling)."""
+    alg = cfg.algorithm
+    return (cfg.actor.ppo_epochs > 1 or num_mini > 1 or alg.use_kl_in_reward or alg.rollout_rs != "off"
+            or bool(alg.teacher.path and alg.teacher.mode == "reward"))
+
+
+def distilled(token_rewards, batch: dict, teacher_cfg):
+    """The token rewards (B, Tr; None: none) plus on-policy distillation's, −coef·KL_t(π ‖ π_teacher) at every token,
+    with algorithm.teacher.mode=reward (Agarwal et al., 2024; verl, TRL): the policy's own samples, each token
+    rewarded by how likely the teacher finds it."""
+    if "teacher_logprobs" not in batch or teacher_cfg.mode != "reward":
+        return token_rewards
+    kl_teacher = kl_estimate(batch["old_logprobs"], batch["teacher_logprobs"], teacher_cfg.kl_estimator)  # (B, Tr)
+    return add_token_rewards(token_rewards, -teacher_cfg.coef * kl_teacher)
+
+
+def teacher_logprobs(teacher, micro, fwd: Forward):
+    """log π_teacher(y_t | prefix), (B, Tr): from the teacher's own layers, never the policy's trunk."""
+    return dataclasses.replace(fwd, trunk=None).logprobs(teacher, micro)[0]
 
 
 def set_train_mode(models: list, on: bool) -> None:
@@ -233,6 +273,7 @@ def check_names(cfg) -> None:
                              ("actor.policy_loss", cfg.actor.policy_loss, POLICY_LOSSES),
                              ("algorithm.kl_penalty", cfg.algorithm.kl_penalty, kl.ESTIMATORS),
                              ("algorithm.kl_loss_type", cfg.algorithm.kl_loss_type, kl.ESTIMATORS),
+                             ("algorithm.teacher.kl_estimator", cfg.algorithm.teacher.kl_estimator, kl.ESTIMATORS),
                              ("rollout.multi_turn.format", cfg.rollout.multi_turn.format, agent.PARSERS),
                              ("reward.judge.parser", cfg.reward.judge.parser, judge.PARSERS)):
         if name not in table:
@@ -263,11 +304,19 @@ def policy_loss_mask(batch: dict, truncated, cfg) -> tuple[torch.Tensor, dict]:
 
 
 def check_inputs(cfg, needs_critic: bool) -> None:
-    """Before any model loads: the model folders (and the critic's, when there is one), the reward model or reward
-    function, and the loggers' packages."""
+    """Before any model loads: the model folders (and the critic's, when there is one), the teacher's with its
+    vocabulary, each reward source's inputs, and the loggers' packages."""
     check_model_folders(cfg.model, (cfg.critic.model_path or cfg.model.path) if needs_critic else None)
+    check_teacher(cfg.algorithm.teacher, cfg.model)
     check_reward_inputs(cfg.reward, cfg.model.trust_remote_code)
     check_loggers(cfg.trainer.logger, "trainer.logger")
+
+
+def check_data(cfg, train_rows: list, val_rows: list) -> None:
+    """Once the data is read, before any model loads: every data_source has a rule (or a reward that needs none), and
+    trainer.best_metric is a name this run's validation logs."""
+    check_data_sources({r["data_source"] for r in train_rows + val_rows}, cfg.reward)
+    check_best_metric(cfg, {r["data_source"] for r in val_rows}, agent.agent_metrics([]))
 
 
 def main(cfg: config.Config):
@@ -290,20 +339,19 @@ def main(cfg: config.Config):
     train_rows, val_rows = load_prompts(cfg.data, tokenizer, print0,  # a rule's rows must have a ground truth
                                         rule_of=functools.partial(rule_needing_truth, cfg_reward=cfg.reward))
     sizes = check_sizes(cfg, accelerator.num_processes, len(train_rows))
-    check_data_sources({r["data_source"] for r in train_rows + val_rows}, cfg.reward)  # each has a rule
-    check_best_metric(cfg, {r["data_source"] for r in val_rows}, agent.agent_metrics([]))  # validation logs it
+    check_data(cfg, train_rows, val_rows)  # each data_source has a rule, trainer.best_metric is one validation logs
     agent.check_multi_turn(cfg.rollout, tokenizer)  # multi-turn: the tools import, the template writes their answers
-    n, B = cfg.rollout.n, sizes.batch
 
     # ---- models (infra/models.py builds them all): actor, reference, critic; optimisers after sharding
     fwd = Forward(cfg.rollout.temperature or 1.0, dtype, batch_layout(cfg.model, sharded=fsdp is not None),
                   plan_trunk(cfg, with_critic=needs_critic))  # the frozen layers below the adapters, or None
     policy, ref, critic = load_models(cfg, accelerator, fsdp, fwd, with_critic=needs_critic)
+    teacher = load_teacher(cfg, accelerator, fsdp, fwd)  # on-policy distillation's (algorithm.teacher), or None
     actor_opt, actor_sched = make_optimizer(policy, cfg.actor.optim, t.total_steps)
     critic_opt, critic_sched = make_optimizer(critic, cfg.critic.optim, t.total_steps) if critic else (None, None)
     # SIGTERM or Ctrl-C from here on ends a step with a checkpoint (a hung reward call delays it ≤ reward.timeout_s)
     stop_signal = StopSignal(verbose=accelerator.is_main_process)
-    scorer = Scorer(cfg.reward, device, dtype, trust_remote_code=cfg.model.trust_remote_code, stop=stop_signal)
+    scorer = Scorer.from_config(cfg, device, tokenizer, stop_signal)  # reward.sources, weighted
 
     # ---- state, resume
     state = TrainState(KLController(alg.kl_ctrl.type, alg.kl_ctrl.kl_coef, alg.kl_ctrl.target_kl,
@@ -317,14 +365,12 @@ def main(cfg: config.Config):
     reduce_sum = functools.partial(sum_over_processes, accelerator)
 
     # ---- what steps 6 and 7 compute with, bound once
-    estimate = advantages.ESTIMATORS[alg.adv_estimator]
-    adv_settings = advantages.Settings(alg.gamma, alg.lam, n, alg.norm_adv_by_std_in_grpo, alg.whiten_advantages,
-                                       reduce_sum)
+    adv_settings = advantages.Settings(alg.gamma, alg.lam, cfg.rollout.n, alg.norm_adv_by_std_in_grpo,
+                                       alg.whiten_advantages, reduce_sum)
     actor_update = Update("actor", policy, actor_opt, actor_sched, ActorLoss.from_config(cfg, fwd), "loss_mask",
                           sizes.actor_micro, cfg.actor.max_grad_norm)
-    critic_update = critic and Update("critic", critic, critic_opt, critic_sched,
-                                      CriticLoss(fwd, cfg.critic.cliprange_value, cfg.critic.vf_coef), "response_mask",
-                                      sizes.critic_micro, cfg.critic.max_grad_norm)
+    critic_update = critic and Update("critic", critic, critic_opt, critic_sched, CriticLoss.from_config(cfg, fwd),
+                                      "response_mask", sizes.critic_micro, cfg.critic.max_grad_norm)
 
     if t.val_before_train and val_rows and state.step == 0:
         metrics = validate(cfg, rollout, tokenizer, scorer, val_rows, accelerator)
@@ -341,7 +387,7 @@ def main(cfg: config.Config):
         # ---- 1–3. sample prompts, generate n responses each, score them (sampling.Sampler); with algorithm.filter_groups
         # (DAPO's dynamic sampling) in rounds, until every process holds its share of prompts whose scores differ
         samples, metrics = sample.batch(state, train_rows, step, times)
-        rows, texts, scores, truncated = samples.rows, samples.texts, samples.scores, samples.truncated  # (B,) each
+        scores, truncated = samples.scores, samples.truncated  # (B,) each
         batch = samples.as_batch(tokenizer.pad_token_id)  # queries, responses, their masks, rollout_logprobs
         response_mask = batch["response_mask"]  # (B, Tr)
         lengths = batch.get("response_attention_mask", response_mask).sum(1)  # (B,) tokens, EOS and tool answers too
@@ -355,31 +401,35 @@ def main(cfg: config.Config):
         if fwd.trunk is not None:  # issue 25: the frozen layers once per sequence; the forwards below start above them
             with timed(times, "time/trunk_s"):
                 batch.update(no_grad_pass(lambda micro: fwd.trunk_states(policy, micro)))  # (B, Tq, H), (B, Tr, H)
-        # departure 3: with one epoch of one mini-batch, no KL in the reward and no rejection, ActorLoss takes
-        # old_logprobs from the update's own forward instead
-        if cfg.actor.ppo_epochs > 1 or sizes.num_mini > 1 or alg.use_kl_in_reward or alg.rollout_rs != "off":
+        # departure 3: with one epoch of one mini-batch, no KL in the reward (to the reference or a teacher) and no
+        # rejection, ActorLoss takes old_logprobs from the update's own forward instead
+        if needs_old_logprobs(cfg, sizes.num_mini):
             with timed(times, "time/old_logprob_s"):
                 batch["old_logprobs"] = no_grad_pass(lambda micro: fwd.logprobs(policy, micro)[0])  # (B, Tr)
         if alg.use_kl_in_reward or alg.use_kl_loss:
             with timed(times, "time/ref_s"):
                 batch["ref_logprobs"] = no_grad_pass(lambda micro: ref_logprobs(ref, policy, micro, fwd))  # (B, Tr)
+        if teacher is not None:  # on-policy distillation: the teacher's log-probs of the policy's own samples
+            with timed(times, "time/teacher_s"):
+                batch["teacher_logprobs"] = no_grad_pass(lambda micro: teacher_logprobs(teacher, micro, fwd))
         if critic is not None:
             with timed(times, "time/values_s"):
                 batch["old_values"] = no_grad_pass(lambda micro: fwd.values(critic, micro)) * response_mask  # (B, Tr)
 
-        # ---- 5. rewards = score at the last token − β·KL at every token
+        # ---- 5. rewards = score at the last token + token rewards − β·KL at every token
         beta = state.kl_ctrl.value
         kl_tokens = torch.zeros(response_mask.shape)  # (B, Tr)
         if alg.use_kl_in_reward:
             kl_tokens = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], alg.kl_penalty) * response_mask
             seq_kl = accelerator.reduce(masked_mean(kl_tokens, response_mask, 1).mean().to(device), "mean").item()
-            state.kl_ctrl.update(seq_kl, cfg.data.train_batch_size * n)
-        token_rewards = kl_penalty_rewards(scores, kl_tokens, response_mask, beta)  # (B, Tr)
+            state.kl_ctrl.update(seq_kl, cfg.data.train_batch_size * cfg.rollout.n)
+        dense = distilled(samples.token_rewards, batch, alg.teacher)  # (B, Tr) or None: the scorers', the teacher's
+        token_rewards = kl_penalty_rewards(scores, kl_tokens, response_mask, beta, dense)  # (B, Tr)
 
         # ---- 6. advantages (B, Tr), zero on padding: advantages.ESTIMATORS[algorithm.adv_estimator]; and the
         # tokens the policy loss sees (overlong filtering, rejection sampling)
-        batch["advantages"], batch["returns"] = estimate(token_rewards, response_mask.float(), batch.get("old_values"),
-                                                         adv_settings)  # (B, Tr) each
+        batch["advantages"], batch["returns"] = advantages.ESTIMATORS[alg.adv_estimator](
+            token_rewards, response_mask.float(), batch.get("old_values"), adv_settings)  # (B, Tr) each
         batch["loss_mask"], mask_metrics = policy_loss_mask(batch, truncated, cfg)  # (B, Tr)
 
         # ---- 7. PPO epochs over mini-batches, gradient accumulation over micro-batches
@@ -389,7 +439,7 @@ def main(cfg: config.Config):
         stats = defaultdict(list)  # metric → its values: one per micro-batch (grad norms: per optimiser step)
         order = torch.Generator().manual_seed(step_seed(t.seed, step, -1))
         for epoch in range(cfg.actor.ppo_epochs):
-            for mini_inds in torch.randperm(B, generator=order).split(sizes.mini):
+            for mini_inds in torch.randperm(sizes.batch, generator=order).split(sizes.mini):
                 for u in updates:
                     counts = mini_batch_counts(batch[u.mask][mini_inds], accelerator)  # its loss's norm (departure 4)
                     with timed(times, f"time/update_{u.name}_s"):
@@ -446,9 +496,7 @@ def main(cfg: config.Config):
         if t.max_skipped_steps and skipped_in_a_row >= t.max_skipped_steps:  # nothing learnt: no final/
             raise skipped_steps_error(skipped_in_a_row, step, "trainer", t.output_dir)
         if t.sample_freq and step % t.sample_freq == 0:
-            shown = list(range(0, B, max(1, B // t.num_samples_to_show)))[:t.num_samples_to_show]
-            print0(sample_table([(rows[i]["prompt_text"][-40:], agent.transcript(rows[i], texts[i]), scores[i].item(),
-                                  rows[i].get("judge_answer", "")) for i in shown]))
+            print0(sample_table(shown_samples(samples, t.num_samples_to_show)))
 
         # ---- 10. checkpoint; SIGTERM (Slurm's preemption) or Ctrl-C ends the run here, and a rerun resumes
         signum = stop_signal.received(accelerator)

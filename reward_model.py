@@ -1,11 +1,12 @@
-"""Reward model: a Bradley–Terry scorer trained on preference pairs, and the scorer PPO calls.
+"""Reward model: a Bradley–Terry scorer trained on preference pairs (its network, RewardModel, and the scorer PPO
+calls, RewardModelScorer, are in scorers.py: PPO never imports this training script).
 
     python tools/prepare_data.py --task arithmetic-preferences --output data/preferences   # the demo pairs
     accelerate launch reward_model.py --config configs.yaml                      # the demo, CPU or GPU
     accelerate launch reward_model.py --config configs.yaml reward_model.total_steps=20 reward_model.lora_rank=0
     accelerate launch --config_file accelerate_configs/ddp_cpu.yaml reward_model.py --config configs.yaml
     python reward_model.py --help                                                # every config key
-    accelerate launch ppo.py --config configs.yaml reward.type=model reward.model_path=outputs/reward_model/final
+    accelerate launch ppo.py --config configs.yaml reward.sources=model reward.model_path=outputs/reward_model/final
 
 The demo (`make reward-model`, the defaults: LoRA in the top 8 of SmolLM2-135M's 30 layers, lr 5e-4, 60 steps
 of 16 pairs, fp32) ran in 4.2 min on 2 shared CPU cores to val/rm/accuracy 0.865 on 200 held-out pairs of
@@ -53,9 +54,10 @@ from infra.models import check_model_path, load_reward_classifier, load_tokenize
 from infra.optim import make_optimizer, restore_schedule, train_step
 from infra.runs import resume_or_start, save_checkpoint, skipped_steps_error, start_run, StopSignal
 from rollout import right_pad
+from scorers import RewardModel, render
 
 # ---------------------------------------------------------------------------------------
-# Math and the model
+# The loss (the network, RewardModel, is scorers.py's)
 
 def bradley_terry_loss(r_chosen, r_rejected, margin, center_coef: float):
     """L = −log σ(r_c − r_r − m) + η·(r_c + r_r)²   per pair, (B,) → (B,)
@@ -66,63 +68,8 @@ def bradley_terry_loss(r_chosen, r_rejected, margin, center_coef: float):
     return -F.logsigmoid(r_chosen - r_rejected - margin) + center_coef * (r_chosen + r_rejected).square()
 
 
-def last_token_index(attention_mask):
-    """i* = max{t : mask_t = 1}, the last real position of each row, for right or left padding. (B, T) → (B,)"""
-    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
-    return (positions * attention_mask).argmax(-1)
-
-
-def shared_prefix_length(input_ids, attention_mask) -> int:
-    """k = how many leading columns hold the same real token in every row, capped so that each row keeps at
-    least its last real token after them (right padding). (B, T) → int."""
-    same = (input_ids == input_ids[:1]).all(0) & attention_mask.bool().all(0)  # (T,)
-    return min(int(same.long().cumprod(0).sum()), int(attention_mask.sum(1).min()) - 1)
-
-
-class RewardModel(torch.nn.Module):
-    """r(x) = w·h_{i*}: a sequence classifier (or a PEFT model of one) read at last_token_index.
-
-    Conversations that open alike (the demo's system prompt and worked example: 33 of its 50 tokens) share
-    that prefix: it runs once, its KV cache is copied to every row (keeping the autograd graph), and only the
-    rest runs per row. Equal to one plain forward within fp32 rounding (tests/test_reward_model.py).
-    """
-
-    def __init__(self, hf_model):
-        super().__init__()
-        self.hf = hf_model
-
-    def forward(self, input_ids, attention_mask):
-        from transformers import DynamicCache
-
-        model = self.hf.get_base_model() if hasattr(self.hf, "get_base_model") else self.hf
-        backbone = getattr(model, model.base_model_prefix)
-        B, T, k = *input_ids.shape, shared_prefix_length(input_ids, attention_mask)
-        cache = DynamicCache() if k > 0 else None
-        if cache is not None:
-            backbone(input_ids=input_ids[:1, :k], past_key_values=cache, use_cache=True)
-            cache.reorder_cache(torch.zeros(B, dtype=torch.long, device=input_ids.device))  # (1, …) → (B, …)
-        positions = torch.arange(k, T, device=input_ids.device).expand(B, -1)
-        hidden = backbone(input_ids=input_ids[:, k:], attention_mask=attention_mask, position_ids=positions,
-                          past_key_values=cache, use_cache=cache is not None).last_hidden_state  # (B, T − k, H)
-        last = hidden[torch.arange(B, device=hidden.device), last_token_index(attention_mask) - k]  # (B, H)
-        return model.score(last).squeeze(-1).float()  # (B,)
-
-
 # ---------------------------------------------------------------------------------------
 # Text
-
-def render(prompt, response: str, tokenizer) -> str:
-    """One conversation as text: the chat template over [prompt…, assistant: response] (see 1. above)."""
-    if isinstance(prompt, str) and prompt == "":
-        return response
-    if tokenizer.chat_template is None:
-        if not isinstance(prompt, str):
-            raise data.DataError("the prompt is a list of chat messages but the reward model's tokenizer has no "
-                                 "chat_template; use a tokenizer with one or store prompts as text")
-        return prompt + response
-    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-    return tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": response}], tokenize=False)
-
 
 def load_pairs(path: str, tokenizer, max_length: int, overlong: str, use_margin: bool):
     """Preference pairs read, rendered and tokenised → [(chosen_ids, rejected_ids, margin, kind)] (margin 0 unless
@@ -335,60 +282,6 @@ def main(cfg: config.RewardModelStage):
     accelerator.wait_for_everyone()
     logger.close()
     accelerator.end_training()
-
-
-# ---------------------------------------------------------------------------------------
-# Scoring in PPO
-
-class RewardModelScorer:
-    """Scores raw (prompt, response) pairs with a folder written by reward_model.py, rendered with its own
-    tokenizer exactly as in training; micro-batched, no grad, eval mode.
-
-    normalize: (s − mean) / std with final/reward_stats.json; clip: clamp to ±clip after normalising.
-    """
-
-    def __init__(self, path: str, micro_batch_size: int = 32, normalize: bool = False, clip=None,
-                 device="cpu", autocast_dtype=None, *, trust_remote_code: bool = False):
-        from transformers import AutoConfig
-
-        if not os.path.isdir(path):
-            raise config.ConfigError(f"reward model folder {path} does not exist; train one with reward_model.py")
-        arch = (AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).architectures or ["?"])[0]
-        if not arch.endswith("ForSequenceClassification"):
-            raise config.ConfigError(f"{path} holds a {arch}, not a reward model (…ForSequenceClassification); "
-                                     f"point reward.model_path at the final/ folder written by reward_model.py")
-        self.tokenizer = load_tokenizer(path, "reward.model_path", trust_remote_code=trust_remote_code)
-        self.device = torch.device(device)
-        model = RewardModel(load_reward_classifier(path, self.tokenizer.pad_token_id,
-                                                   trust_remote_code=trust_remote_code))
-        self.model = model.to(self.device).eval().requires_grad_(False)
-        self.micro_batch_size, self.clip, self.dtype, self.stats = micro_batch_size, clip, autocast_dtype, None
-        if normalize:
-            stats_path = os.path.join(path, "reward_stats.json")
-            if not os.path.isfile(stats_path):
-                raise config.ConfigError(f"reward.normalize needs {stats_path} (written by reward_model.py at the end "
-                                         f"of training); retrain, or set reward.normalize=false")
-            with open(stats_path) as f:
-                self.stats = json.load(f)
-
-    @torch.no_grad()
-    def score(self, prompts: list, responses: list[str]) -> torch.Tensor:
-        """prompts (text or chat messages, as stored) and decoded responses → scores (B,) on `device`."""
-        texts = [render(p, r, self.tokenizer) for p, r in zip(prompts, responses, strict=True)]
-        if not texts:
-            return torch.zeros(0, device=self.device)
-        ids = data.tokenize_prompts(texts, self.tokenizer)
-        scores = []
-        for i in range(0, len(ids), self.micro_batch_size):
-            input_ids, attention_mask = right_pad(ids[i:i + self.micro_batch_size], self.tokenizer.pad_token_id)
-            with autocast(self.device, self.dtype):
-                scores.append(self.model(input_ids.to(self.device), attention_mask.to(self.device)))  # (b,)
-        scores = torch.cat(scores)  # (B,)
-        if self.stats is not None:
-            scores = (scores - self.stats["mean"]) / max(self.stats["std"], 1e-8)
-        if self.clip is not None:
-            scores = scores.clamp(-self.clip, self.clip)
-        return scores
 
 
 if __name__ == "__main__":

@@ -9,7 +9,12 @@ verl's code, search-tool and image routes are not built in: check_data_sources s
 A custom function is `reward.function=path/to/file.py:name`; verl reward files work unchanged, `async def` ones
 included. A function may return a number, or a dict with "score" and other numbers to log. It runs in a worker
 process of its own (infra/worker.py), each call limited to reward.timeout_s: a call that hangs, raises, calls
-sys.exit, or ends or kills the worker is an error for its sample (reward/errors), never the end of the run.
+sys.exit, or ends or kills the worker is an error for its sample (reward/errors), never the end of the run. Besides
+"score" it may return step rewards, "step_rewards": [r_1, …] with "step_ends": [c_1, …], the character offsets in
+solution_str where each step ends: r_k then lands on the response token whose text holds character c_k − 1
+(step_token_rewards), as a process reward model's would.
+
+What every scorer returns (scorers.py holds the scorers, each one line of scorers.SCORERS) is a `Scores`.
 """
 import asyncio
 import functools
@@ -18,21 +23,17 @@ import math
 import numbers
 import os
 import warnings
-from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 import torch
 from accelerate.utils import gather_object
 
-from agent import with_conversations
 from infra.config import ConfigError
-from infra.metrics import reduce_metrics, sum_over_processes
-from infra.models import check_model_path
 from infra.runs import Interrupted
 from infra.worker import CallFailed, FunctionWorker, WorkerStartError
-from judge import check_judge, Judge
 from reward_rules import verl_prime_math, verl_rules
 from reward_rules.library import arithmetic_score, boxed_score, gsm8k_score
-from reward_model import RewardModelScorer
 
 # ---- dispatch by data_source, as verl's default_compute_score
 NUMINA = ["numina_aops_forum", "numina_synthetic_math", "numina_amc_aime", "numina_synthetic_amc", "numina_cn_k12",
@@ -64,8 +65,8 @@ def rule_for(data_source):
 
 def rule_needing_truth(data_source, cfg_reward):
     """For data.py's check at start-up: the name of the built-in rule that will compare data_source's responses with
-    their ground truth, or None (reward.type=model: no rule; a custom reward.function: it may need none)."""
-    if cfg_reward.type == "model" or cfg_reward.function:
+    their ground truth, or None (no source rule: a reward model, a judge or your function may need none)."""
+    if "rule" not in dict(reward_sources(cfg_reward)):
         return None
     rule = rule_for(data_source)
     return None if rule is None else f"{rule.__module__.split('.')[-1]}.{rule.__name__}"
@@ -86,9 +87,9 @@ def default_compute_score(data_source, solution_str, ground_truth, extra_info=No
 
 
 def check_data_sources(sources, reward_cfg) -> None:
-    """At start-up: a ConfigError naming every data_source no rule scores. A custom reward.function handles every
-    source, reward.type=model or judge needs none, the built-ins handle those in BUILTIN_SCORES and aime*."""
-    if reward_cfg.type in ("model", "judge") or reward_cfg.function:
+    """At start-up: a ConfigError naming every data_source no rule scores, when the source rule (the built-ins) is
+    one of reward.sources: they handle those in BUILTIN_SCORES and aime*."""
+    if "rule" not in dict(reward_sources(reward_cfg)):
         return
     missing = sorted({s for s in sources if rule_for(s) is None}, key=str)
     if missing:
@@ -96,22 +97,6 @@ def check_data_sources(sources, reward_cfg) -> None:
         raise ConfigError(f"the data has data_source values with no built-in reward: {named}; score them with your "
                           f"own compute_score(data_source, solution_str, ground_truth, extra_info=None) by setting "
                           f"reward.function=path/to/file.py:compute_score (built in: {KNOWN})")
-
-
-def check_reward_inputs(cfg_reward, trust_remote_code: bool = False) -> None:
-    """Before any model loads: the reward model folder, the reward function the run will use (imported once in a
-    worker, which then stops) and the judge."""
-    if cfg_reward.type in ("model", "both"):
-        if not cfg_reward.model_path:
-            raise ConfigError(f"reward.type={cfg_reward.type} needs reward.model_path (the final/ folder "
-                              f"written by reward_model.py)")
-        check_model_path(cfg_reward.model_path, "reward.model_path", trust_remote_code=trust_remote_code)
-    if cfg_reward.type in ("rule", "both", "rule+judge"):
-        fn = load_reward_function(cfg_reward.function, cfg_reward.timeout_s)
-        if isinstance(fn, FunctionWorker):
-            fn.close()
-    if cfg_reward.type in ("judge", "rule+judge"):
-        check_judge(cfg_reward.judge)
 
 
 def load_reward_function(spec, timeout_s: float, stop=None):
@@ -212,18 +197,18 @@ def score_responses(compute_score, rows: list[dict], responses: list[str]) -> tu
     return scores, extras, errors
 
 
-def score_on_every_process(scorer, rows: list[dict], texts: list[str], accelerator):
-    """scorer(rows, texts) → (scores, metrics), on all processes together: when the reward fails on every sample of
-    any process's batch (RewardError), every process raises it, with the failing process's message; when a stop
-    signal could not wait for a reward call on any process (runs.Interrupted), every process raises that. Raised
-    on that process alone, either would leave the others waiting for it at their next collective."""
-    error, interrupted = None, None
+def score_on_every_process(score: Callable, accelerator):
+    """score() → Scores, on all processes together: when the reward fails on every sample of any process's batch
+    (RewardError), every process raises it, with the failing process's message; when a stop signal could not wait
+    for a reward call on any process (runs.Interrupted), every process raises that. Raised on that process alone,
+    either would leave the others waiting for it at their next collective."""
+    error, interrupted, scores = None, None, None
     try:
-        scores, metrics = scorer(rows, texts)
+        scores = score()
     except RewardError as e:
-        scores, metrics, error = None, {}, str(e)
+        error = str(e)
     except Interrupted as e:
-        scores, metrics, interrupted = None, {}, e
+        interrupted = e
     flags = torch.tensor([float(error is not None), float(interrupted.signum if interrupted else 0)])
     failed, signum = accelerator.reduce(flags.to(accelerator.device), "max").tolist()
     if signum:
@@ -231,85 +216,128 @@ def score_on_every_process(scorer, rows: list[dict], texts: list[str], accelerat
                                                       "this step is not saved, the last checkpoint is kept")
     if failed:
         raise RewardError(next(message for message in gather_object([error]) if message))
-    return scores, metrics
+    return scores
 
 
-class Scorer:
-    """The task score of each response: a rule function, a reward model, an LLM judge (judge.py), or a weighted sum
-    of the rule and one of the others (reward.type)."""
-
-    def __init__(self, cfg_reward, device, dtype, *, trust_remote_code: bool = False, stop=None):
-        """`trust_remote_code`: model.trust_remote_code, for the reward model's folder; `stop`: runs.StopSignal, which
-        a hung custom reward call then holds up for at most reward.timeout_s."""
-        self.cfg, self.rule_fn, self.model, self.judge, self.task_rule = cfg_reward, None, None, None, None
-        self.judge_answers = []  # the judge's raw answer to each response of the last call, for the sample table
-        if cfg_reward.type in ("rule", "both", "rule+judge"):
-            self.rule_fn = load_reward_function(cfg_reward.function, cfg_reward.timeout_s, stop)
-        if cfg_reward.type in ("model", "both"):
-            self.model = RewardModelScorer(cfg_reward.model_path, cfg_reward.micro_batch_size, cfg_reward.normalize,
-                                           cfg_reward.clip, device, dtype, trust_remote_code=trust_remote_code)
-        if cfg_reward.type in ("judge", "rule+judge"):
-            self.judge = Judge(cfg_reward.judge)
-        if cfg_reward.type != "rule":
-            # the task's rule on the same answers (val/rule_score/mean): does what the reward model or judge like score?
-            self.task_rule = self.rule_fn or load_reward_function(cfg_reward.function, cfg_reward.timeout_s, stop)
-
-    def __call__(self, rows: list[dict], texts: list[str], with_answers: bool = False):
-        """rows (with prompt, ground_truth, data_source, extra_info) and decoded responses → scores (B,), metrics; with
-        with_answers, metrics["answers"] too: each response's answer as the rule read it ("pred"), else None."""
-        weighted, metrics, scores = self.cfg.type in ("both", "rule+judge"), {}, torch.zeros(len(texts))
-        if self.rule_fn is not None:
-            rule, extras, errors = score_responses(self.rule_fn, rows, texts)
-            scores += (self.cfg.rule_weight if weighted else 1.0) * torch.tensor(rule, dtype=torch.float32)
-            metrics["reward/errors"] = float(errors)
-            metrics.update({f"reward/{k}": sum(v) / len(v) for k, v in extras.items() if v and k != "pred"})
-            if with_answers:
-                answers = extras.get("pred", [])
-                metrics["answers"] = answers if len(answers) == len(rows) else [None] * len(rows)
-        if self.model is not None:
-            model_scores = self.model.score([r["prompt"] for r in rows], texts).float().cpu()
-            scores += (self.cfg.model_weight if weighted else 1.0) * model_scores
-            metrics["reward/model_score_mean"] = model_scores.mean().item()
-        if self.judge is not None:
-            judged = self.judge(rows, texts)
-            if judged.errors == len(texts):
-                raise RewardError(f"the judge failed on all {judged.errors} samples of a batch, so training would "
-                                  f"learn from zeros; the first error: {judged.first_error}")
-            if judged.errors:
-                warnings.warn(f"the judge failed on {judged.errors}/{len(texts)} samples (scored 0.0); first: "
-                              f"{judged.first_error}")
-            scores += (self.cfg.judge.weight if weighted else 1.0) * torch.tensor(judged.scores, dtype=torch.float32)
-            self.judge_answers = judged.answers
-            metrics.update({"reward/judge_errors": float(judged.errors),
-                            "reward/judge_score_mean": sum(judged.scores) / len(texts)})
-        return scores, metrics
-
-    def validation_metrics(self, rows: list[dict], texts: list[str], sources: list, accelerator, k: int = 1) -> dict:
-        """Over the rows of every process (`sources`: every data_source of the validation set), rows i·k … i·k + k − 1
-        being one prompt's k samples: val/score/mean and val/<data_source>/score, the mean score (mean@k); with k > 1
-        and a rule reward, pass@j and maj@k (pass_and_majority); with a reward model or a judge, val/rule_score/mean:
-        the task's rule on the same answers, over the rows with a ground truth and a rule."""
-        scores, scored = score_on_every_process(functools.partial(self, with_answers=True), rows, texts, accelerator)
-        sums = torch.zeros(len(sources), 2)  # (sum of scores, count) per data_source
-        for row, score in zip(rows, scores.tolist()):
-            sums[sources.index(row["data_source"])] += torch.tensor([score, 1.0])
-        sums = sum_over_processes(accelerator, sums)
-        metrics = {"val/score/mean": (sums[:, 0].sum() / sums[:, 1].sum()).item()}
-        metrics.update({f"val/{src}/score": (s / max(c, 1)).item() for src, (s, c) in zip(sources, sums)})
-        if k > 1 and self.cfg.type == "rule":
-            metrics.update(pass_and_majority(rows, scores.tolist(), scored["answers"], sources, k, accelerator))
-        if self.task_rule is not None:
-            ruled = [(row, text) for row, text in zip(rows, texts)
-                     if row["ground_truth"] is not None and (self.cfg.function or rule_for(row["data_source"]))]
-            rule_scores, _, _ = score_responses(self.task_rule, [row for row, _ in ruled], [text for _, text in ruled])
-            total, count = sum_over_processes(accelerator, torch.tensor([sum(rule_scores), len(rule_scores)],
-                                                                        dtype=torch.float64)).tolist()
-            if count:
-                metrics["val/rule_score/mean"] = total / count
-        return metrics
+# ---- what every scorer returns, and which scorers a run adds up
 
 
-# ---- validation: k samples per prompt
+@dataclass
+class Scores:
+    """A scorer's answer for a batch of B responses (scorers.SCORERS' calling convention: scorer(rows, texts, ro)).
+    The Sampler puts extras and token_rewards into rollout.Samples; ppo.py's step 5 adds token_rewards to the score
+    at the last token (kl.kl_penalty_rewards)."""
+    scores: torch.Tensor  # (B,) float32, one number per response
+    token_rewards: Optional[torch.Tensor] = None  # (B, Tr) rewards at response tokens (0 elsewhere), or None
+    extras: list = field(default_factory=list)  # (B,) a dict per sample: "pred" (the rule's answer), "judge_answer" …
+    metrics: dict = field(default_factory=dict)  # reward/* numbers for the step's log
+
+    def __post_init__(self):
+        self.extras = self.extras or [{} for _ in range(len(self.scores))]
+
+
+OLD_TYPES = {"rule": None, "model": ["model"], "judge": ["judge"], "both": "reward.sources=[rule,model]",
+             "rule+judge": "reward.sources=[rule,judge]"}  # reward.type → its sources, or the new spelling to refuse
+
+
+def reward_sources(cfg_reward) -> list[tuple[str, float]]:
+    """(scorer name, weight) for each of reward.sources, which defaults to [function] with a reward.function, else
+    [rule]; reward.type, the old spelling, maps onto it (OLD_TYPES). A ConfigError for a refused old spelling, both
+    spellings at once, a weight count that is not the source count, a source twice, a reward.function beside rule
+    sources that do not read it (beside a reward model, judge or server it is the task's rule of val/rule_score/mean),
+    and the source function without a reward.function."""
+    default = ["function"] if cfg_reward.function else ["rule"]
+    names = cfg_reward.sources or default
+    if cfg_reward.type is not None:
+        if cfg_reward.sources is not None:
+            raise ConfigError(f"reward.type={cfg_reward.type} and reward.sources are two spellings of one setting; "
+                              f"keep reward.sources only")
+        mapped = OLD_TYPES[cfg_reward.type]
+        if isinstance(mapped, str):
+            raise ConfigError(f"reward.type={cfg_reward.type} is now spelled {mapped} with reward.weights=[w_1,w_2] "
+                              f"(the old reward.rule_weight, model_weight and judge.weight, in that order)")
+        names = mapped or default
+    weights = cfg_reward.weights or [1.0] * len(names)
+    if len(weights) != len(names):
+        raise ConfigError(f"reward.weights has {len(weights)} numbers for the {len(names)} reward.sources {names}: "
+                          f"give one weight per source")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"reward.sources={names} names a source twice; give it once, with its weight")
+    if cfg_reward.function and set(names) <= {"rule"}:
+        raise ConfigError(f"reward.function is set but reward.sources={names} does not read it: add function to "
+                          f"reward.sources, or unset reward.function")
+    if "function" in names and not cfg_reward.function:
+        raise ConfigError("reward.sources lists function but reward.function is not set: give path/to/file.py:name")
+    return list(zip(names, weights))
+
+
+def one_rule(sources: list) -> bool:
+    """Is the score one rule's, at weight 1 (`sources`: reward_sources' pairs)? pass@k and maj@k read its answers;
+    any other score has validation log the task's rule beside it (val/rule_score/mean)."""
+    return len(sources) == 1 and sources[0] in (("rule", 1.0), ("function", 1.0))
+
+
+def count_failures(what: str, errors: int, total: int, first: Optional[str]) -> None:
+    """A scorer's failed samples (scored 0.0): a warning naming the first error, or, when every sample of the batch
+    failed, RewardError (training on would learn from zeros)."""
+    if errors and errors == total:
+        raise RewardError(f"{what} failed on all {errors} samples of a batch, so training would learn from zeros; "
+                          f"the first error: {first}")
+    if errors:
+        warnings.warn(f"{what} failed on {errors}/{total} samples (scored 0.0); first: {first}")
+
+
+# ---- token rewards: step rewards at the token where each step ends
+
+
+def last_turn(response_mask) -> torch.Tensor:
+    """(B, Tr) bool: the tokens of the text a reward reads, the last run of response_mask ones (the whole response
+    with one turn, the last assistant turn with several: decode_responses)."""
+    mask = response_mask.bool()
+    before = torch.cat([torch.zeros_like(mask[:, :1]), mask[:, :-1]], dim=1)
+    runs = (mask & ~before).long().cumsum(1)  # (B, Tr) how many runs started at or before t
+    return mask & (runs == runs[:, -1:])
+
+
+def token_ends(tokenizer, ids: list[int]) -> list[int]:
+    """For each token, the length of the text decoded up to and including it: where its characters end in
+    tokenizer.decode(ids). Decoded incrementally, so that it holds for the tokens sampled, whatever a fresh
+    tokenisation of the text would give."""
+    ends, longest = [], 0
+    for k in range(1, len(ids) + 1):
+        longest = max(longest, len(tokenizer.decode(ids[:k], skip_special_tokens=True)))
+        ends.append(longest)
+    return ends
+
+
+def step_token_rewards(tokenizer, ro, steps: list) -> torch.Tensor:
+    """(B, Tr) from each sample's steps [(character offset where the step ends, reward), …] (None: no steps) in the
+    text of its last turn: each reward at the first token of that turn whose text reaches the offset (the last token
+    when the offset lies beyond the text); steps ending on one token add up."""
+    rewards = torch.zeros(ro.responses.shape)  # (B, Tr)
+    turn = last_turn(ro.response_mask)  # (B, Tr)
+    for i, sample in enumerate(steps):
+        if not sample:
+            continue
+        positions = turn[i].nonzero()[:, 0].tolist()
+        ends = token_ends(tokenizer, ro.responses[i, positions].tolist())
+        for offset, reward in sample:
+            k = next((k for k, end in enumerate(ends) if end >= offset), len(ends) - 1)
+            rewards[i, positions[k]] += reward
+    return rewards
+
+
+def read_steps(result) -> Optional[list]:
+    """A reward function's step rewards as [(offset, reward), …], or None when it returned none; a ValueError when
+    "step_rewards" and "step_ends" are not two lists of numbers of one length."""
+    if not isinstance(result, dict) or "step_rewards" not in result:
+        return None
+    rewards, ends = result["step_rewards"], result.get("step_ends")
+    if not (isinstance(rewards, list) and isinstance(ends, list) and len(rewards) == len(ends)) or not all(
+            isinstance(x, numbers.Real) and math.isfinite(x) for x in rewards + ends):
+        raise ValueError(f"step_rewards and step_ends must be two lists of finite numbers of one length, got "
+                         f"{rewards!r} and {ends!r}")
+    return [(int(end), float(reward)) for end, reward in zip(ends, rewards)]
 
 
 def decode_responses(tokenizer, ro) -> list[str]:
@@ -319,55 +347,6 @@ def decode_responses(tokenizer, ro) -> list[str]:
         return [c["turns"][-1]["content"] for c in ro.conversations]
     return tokenizer.batch_decode([r[m.bool()].tolist() for r, m in zip(ro.responses, ro.response_mask)],
                                   skip_special_tokens=True)
-
-
-@torch.no_grad()
-def validate(cfg, rollout, tokenizer, scorer, val_rows, accelerator) -> dict:
-    """rollout.val_n responses per validation prompt at rollout.val_temperature (one, greedy, by default), scored:
-    Scorer.validation_metrics. Every validation samples with the run's seed, so that they differ by the policy."""
-    k, mine = cfg.rollout.val_n, val_rows[accelerator.process_index::accelerator.num_processes]
-    ro = rollout.generate([r["prompt_ids"] for r in mine], n=k, temperature=cfg.rollout.val_temperature,
-                          seed=cfg.trainer.seed)
-    texts = decode_responses(tokenizer, ro)
-    sources = sorted({r["data_source"] for r in val_rows})
-    rows = with_conversations([r for r in mine for _ in range(k)], ro)  # multi-turn: the reward reads them
-    metrics = scorer.validation_metrics(rows, texts, sources, accelerator, k)
-    turn_metrics = reduce_metrics(accelerator, ro.metrics) if ro.metrics else {}  # agent/*: multi-turn only
-    return {**metrics, **{f"val/{key}": value for key, value in turn_metrics.items()}}
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """The unbiased estimate of pass@k from n samples of which c are right (Chen et al., 2021, eq. 1):
-    1 − C(n − c, k) / C(n, k), the chance that k of the n drawn without replacement hold a right one."""
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
-def pass_and_majority(rows: list[dict], scores: list, answers: list, sources: list, k: int, accelerator) -> dict:
-    """Per data_source (val/<src>/…) and over all prompts (val/…/mean), from k samples per prompt, a sample being
-    right when its rule score is > 0 (rules score 1 right, 0 or −1 wrong):
-        pass@j for j = 1, 2, 4, … and k    unbiased (pass_at_k); pass@1 is the share of right samples
-        maj@k                               is the most frequent answer right? Over the prompts whose k samples all
-                                            have one (Scorer.answers; ties: the answer seen first)
-    """
-    js = sorted({2 ** i for i in range(k.bit_length()) if 2 ** i <= k} | {k})
-    table = torch.zeros(len(sources), len(js) + 3, dtype=torch.float64)  # prompts, Σ pass@j …, Σ maj@k, its prompts
-    for start in range(0, len(rows), k):
-        src, right = sources.index(rows[start]["data_source"]), [s > 0 for s in scores[start:start + k]]
-        table[src, 0] += 1
-        table[src, 1:len(js) + 1] += torch.tensor([pass_at_k(k, sum(right), j) for j in js], dtype=torch.float64)
-        group = answers[start:start + k]
-        if None not in group:
-            majority = Counter(group).most_common(1)[0][0]
-            table[src, -2:] += torch.tensor([float(right[group.index(majority)]), 1.0], dtype=torch.float64)
-    table = sum_over_processes(accelerator, table)
-    metrics = {}
-    for prefix, suffix, counts in [(f"val/{src}/", "", row) for src, row in zip(sources, table)] + [
-            ("val/", "/mean", table.sum(0))]:
-        metrics.update({f"{prefix}pass@{j}{suffix}": (counts[1 + i] / counts[0].clamp(min=1)).item()
-                        for i, j in enumerate(js)})
-        if counts[-1] > 0:
-            metrics[f"{prefix}maj@{k}{suffix}"] = (counts[-2] / counts[-1]).item()
-    return metrics
 
 
 # ---- length shaping

@@ -35,6 +35,8 @@ class Rollout:
     #                                                response_mask (one turn)
     conversations: Optional[list[dict]] = None  # per row: turns, tool_calls, tool_results, num_turns (agent.py)
     metrics: dict = field(default_factory=dict)  # agent/* (agent.py)
+    token_rewards: Optional[torch.Tensor] = None  # (B·n, Tr) rewards given during the rollout (an environment's, per
+    #                                               turn at its last token), which the Sampler adds to the scorers'
 
 
 @dataclass
@@ -48,6 +50,8 @@ class Samples:
     scores: torch.Tensor  # (B,) the task scores, length shaping included
     truncated: torch.Tensor  # (B,) bool: cut off at rollout.max_response_length without EOS
     attention_mask: Optional[torch.Tensor] = None  # (B, Tr) multi-turn: 1 on the tool answers too (Rollout's)
+    token_rewards: Optional[torch.Tensor] = None  # (B, Tr) the scorers' and the rollout's token rewards, or None
+    extras: list = field(default_factory=list)  # (B,) per sample, the scorers' rewards.Scores.extras ("pred" …)
 
     def as_batch(self, pad_id: int) -> dict:
         """ppo.py's batch of step 2: queries and query_mask (B, Tq), left-padded; responses, response_mask and, where
@@ -69,14 +73,17 @@ class Samples:
         """All rows of `parts`, in order; the (B, Tr) tensors right-padded to the longest (masks, logprobs with 0)."""
         T = max(p.responses.shape[1] for p in parts)
 
-        def padded(name, value):
+        def padded(name, value):  # a part without token rewards has zeros where another has some
             tensors = [getattr(p, name) for p in parts]
-            return None if tensors[0] is None else torch.cat(
-                [torch.nn.functional.pad(x, (0, T - x.shape[1]), value=value) for x in tensors])
+            if all(x is None for x in tensors):
+                return None
+            tensors = [torch.zeros(p.responses.shape) if x is None else x for p, x in zip(parts, tensors)]
+            return torch.cat([torch.nn.functional.pad(x, (0, T - x.shape[1]), value=value) for x in tensors])
         return Samples([row for p in parts for row in p.rows], padded("responses", pad_id),
                        padded("response_mask", 0), padded("rollout_logprobs", 0.0), [x for p in parts for x in p.texts],
                        torch.cat([p.scores for p in parts]), torch.cat([p.truncated for p in parts]),
-                       padded("attention_mask", 0))
+                       padded("attention_mask", 0), padded("token_rewards", 0.0),
+                       [x for p in parts for x in p.extras])
 
 
 def right_pad(seqs: list[list], pad, dtype=torch.long) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,6 +4,7 @@ the score shaped for length, and DAPO's dynamic sampling over rounds of that (pp
     sample = Sampler(rollout, tokenizer, scorer, accelerator, cfg, sizes.prompts)    # bound once (ppo.main)
     samples, metrics = sample.batch(state, train_rows, step, times)                  # every step: rollout.Samples
 """
+import functools
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -15,9 +16,9 @@ from advantages import varied_groups
 from infra import config
 from infra.config import ConfigError
 from infra.metrics import timed
-from rewards import decode_responses, overlong_reward, score_on_every_process, Scorer
+from rewards import decode_responses, overlong_reward, score_on_every_process
 from rollout import cut_off, Samples
-
+from scorers import Scorer
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,7 @@ class Sampler:
     rounds (departure 6). Bound once (main)."""
     rollout: object  # rollout.HFRollout or rollout.VLLMRollout, or agent.AgentRollout around one
     tokenizer: object
-    scorer: Scorer
+    scorer: Scorer  # reward.sources, weighted
     accelerator: Accelerator
     cfg: config.Config
     prompts: int  # this process's prompts per step (Sizes.prompts)
@@ -68,17 +69,29 @@ class Sampler:
         rows = agent.with_conversations(rows, ro)  # multi-turn: the reward reads each conversation
         with timed(times, "time/reward_s"):
             texts = decode_responses(self.tokenizer, ro)
-            scores, metrics = score_on_every_process(self.scorer, rows, texts, self.accelerator)  # (B,)
-            if self.scorer.judge_answers:  # reward.type=judge: its raw answers, for the sample table
-                rows = [{**row, "judge_answer": answer} for row, answer in zip(rows, self.scorer.judge_answers)]
+            got = score_on_every_process(functools.partial(self.scorer, rows, texts, ro), self.accelerator)
+            scores, token_rewards = got.scores, add_token_rewards(got.token_rewards, ro.token_rewards)  # (B,), (B, Tr)
             lengths = (ro.response_mask if ro.attention_mask is None else ro.attention_mask).sum(1)  # (B,) tool too
             truncated = cut_off(ro.responses, lengths, ro_cfg.max_response_length, self.rollout.eos_ids)  # (B,)
             scores = scores + r.overlong_penalty * truncated.float()
             if r.overlong_buffer_len:
                 scores = scores + overlong_reward(lengths, ro_cfg.max_response_length, r.overlong_buffer_len,
                                                   r.overlong_penalty_factor)
-        return (Samples(rows, ro.responses, ro.response_mask, ro.logprobs, texts, scores, truncated, ro.attention_mask),
-                {**metrics, **ro.metrics})
+        return (Samples(rows, ro.responses, ro.response_mask, ro.logprobs, texts, scores, truncated, ro.attention_mask,
+                        token_rewards=token_rewards, extras=got.extras), {**got.metrics, **ro.metrics})
+
+
+def add_token_rewards(a, b):
+    """The sum of two optional token-reward tensors (B, Tr): None when both are."""
+    return a if b is None else b if a is None else a + b
+
+
+def shown_samples(samples: Samples, count: int) -> list[tuple]:
+    """`count` samples spread over the batch as infra.metrics.sample_table's rows: the prompt's end, the response
+    (with multi-turn its transcript), its score, and the judge's answer where a judge scored it."""
+    shown = list(range(0, len(samples.rows), max(1, len(samples.rows) // count)))[:count]
+    return [(samples.rows[i]["prompt_text"][-40:], agent.transcript(samples.rows[i], samples.texts[i]),
+             samples.scores[i].item(), samples.extras[i].get("judge_answer", "")) for i in shown]
 
 
 def groups_short(kept: list, need: int, n: int, accelerator) -> int:

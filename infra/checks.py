@@ -1,7 +1,6 @@
 """The checks of a config that need more than one key, before any model loads: ppo.py's derived batch sizes
-(check_sizes), the settings that cannot work together (check_combinations) and a trainer.best_metric that
-validation never logs (check_best_metric). One key's type and range are infra/cli.py's."""
-import difflib
+(check_sizes) and the settings that cannot work together (check_combinations); validation.check_best_metric
+checks trainer.best_metric. One key's type and range are infra/cli.py's."""
 import importlib.util
 from dataclasses import dataclass
 
@@ -87,37 +86,3 @@ def rejection_band(alg) -> tuple[float, float]:
     """[low, high], the band of ρ that algorithm.rollout_rs keeps: rollout_rs_threshold_lower (0: 1 / the upper
     bound, as verl) to rollout_rs_threshold."""
     return alg.rollout_rs_threshold_lower or 1 / alg.rollout_rs_threshold, alg.rollout_rs_threshold
-
-
-def validation_metrics(cfg, sources: set, turn_metrics=()) -> set[str]:
-    """Every name that ppo.py's validation can log (rewards.validate, Scorer.validation_metrics): val/score/mean and
-    val/<data_source>/score for the validation data's sources; with rollout.val_n = k > 1 and reward.type=rule,
-    val/pass@j/mean and val/<data_source>/pass@j for j = 1, 2, 4, … and k, and maj@k (logged where the rule gives
-    its answers); with a reward model or a judge, val/rule_score/mean; with rollout.multi_turn, val/<key> for each
-    key of `turn_metrics` (agent.agent_metrics)."""
-    k = cfg.rollout.val_n
-    names = {"val/score/mean"} | {f"val/{src}/score" for src in sources}
-    if k > 1 and cfg.reward.type == "rule":
-        kinds = [f"pass@{j}" for j in sorted({2 ** i for i in range(k.bit_length()) if 2 ** i <= k} | {k})]
-        for kind in kinds + [f"maj@{k}"]:
-            names |= {f"val/{kind}/mean"} | {f"val/{src}/{kind}" for src in sources}
-    if cfg.reward.type != "rule":
-        names.add("val/rule_score/mean")
-    if cfg.rollout.multi_turn.enable:
-        names |= {f"val/{key}" for key in turn_metrics}
-    return names
-
-
-def check_best_metric(cfg, sources: set, turn_metrics=()) -> None:
-    """trainer.best_metric is a name this run's validation logs (validation_metrics), checked once the validation
-    data is read and before any model loads; a misspelt one used to fail at the first validation, with
-    trainer.test_freq=0 only after the last step, losing the run."""
-    best = cfg.trainer.best_metric
-    if not best:
-        return
-    names = validation_metrics(cfg, sources, turn_metrics)
-    if best not in names:
-        near = difflib.get_close_matches(best, names, n=1, cutoff=0.6)
-        shown = sorted(names)[:20] + (["…"] if len(names) > 20 else [])
-        raise ConfigError(f"trainer.best_metric={best} is not a metric this run's validation logs (it logs "
-                          f"{', '.join(shown)})" + (f": did you mean {near[0]}?" if near else ""))

@@ -297,7 +297,7 @@ RANGES = {
     "[0, 1]": "gamma lam warmup_ratio min_lr_ratio clip_ratio_low",
     "(1, inf)": "clip_ratio_c",
     "[-1, inf)": "top_k",
-    "(-inf, inf)": "rule_weight model_weight overlong_penalty min_score max_score weight",
+    "(-inf, inf)": "weights overlong_penalty min_score max_score",
 }
 RANGE_OF = {name: interval for interval, names in RANGES.items() for name in names.split()}
 # List keys whose length is fixed, by field name: AdamW takes exactly two betas.

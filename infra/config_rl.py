@@ -1,5 +1,6 @@
 """The algorithm's config keys: advantages and KL (algorithm), the policy update (actor), the critic, their
-optimisers, and the reward (rules, reward model, LLM judge). Each key: its type, its default (written here once) and,
+optimisers, the teacher of on-policy distillation, and the reward (its sources: rules, your function, a reward model, an
+LLM judge, a remote reward server). Each key: its type, its default (written here once) and,
 in the string under it, its meaning; infra/config.py gathers these sections into ppo.py's `Config`.
 """
 from dataclasses import dataclass, field
@@ -27,6 +28,21 @@ class FilterGroupsConfig:
     max_num_gen_batches: int = 10
     """most generate rounds of data.train_batch_size prompts per step, the first included; a step still short after
     them stops the run with the counts (verl's key; its 0 = unbounded has no equivalent here)"""
+
+
+@dataclass
+class TeacherConfig:
+    path: Optional[str] = None
+    """on-policy distillation's teacher: a causal LM folder with the policy's vocabulary (a merged final/ of this
+    library, tools/merge_lora.py); null = no teacher"""
+    coef: float = 1.0
+    """weight of KL(π ‖ π_teacher): in the token rewards (mode=reward) or in the actor loss (mode=loss)"""
+    mode: Literal["reward", "loss"] = "reward"
+    """reward: −coef·KL_t(π ‖ π_teacher) joins each token's reward (a dense reward, as verl's and TRL's on-policy
+    distillation); loss: coef·KL is added to the policy loss, as the KL loss to the reference is"""
+    kl_estimator: str = "k1"
+    """the per-token estimate of KL(π ‖ π_teacher), a name in kl.ESTIMATORS: k1 = log π − log π_teacher, the reverse
+    KL of on-policy distillation, as a reward; with mode=loss use k3 (k1's gradient is zero in expectation)"""
 
 
 @dataclass
@@ -71,6 +87,8 @@ class AlgorithmConfig:
     """upper bound of ρ kept by rejection"""
     rollout_rs_threshold_lower: float = 0.0
     """lower bound of ρ kept by rejection; 0 = 1 / rollout_rs_threshold (as verl)"""
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    """on-policy distillation: the policy's own samples scored token by token by a teacher's log-probabilities"""
 
 
 @dataclass
@@ -153,7 +171,21 @@ class CriticConfig:
 
 
 @dataclass
-class JudgeConfig:
+class RequestFields:
+    """How an HTTP scorer (the judge, a reward server: judge.with_retries) sends its requests."""
+    max_concurrency: int = 8
+    """requests in flight at once"""
+    timeout_s: float = 30.0
+    """seconds one request may take before it is retried"""
+    max_retries: int = 2
+    """retries of a request that timed out, could not connect or got a 429/5xx, after backoff_s, 2·backoff_s, …
+    seconds"""
+    backoff_s: float = 1.0
+    """seconds before the first retry"""
+
+
+@dataclass
+class JudgeConfig(RequestFields):
     base_url: Optional[str] = None
     """the judge's OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000/v1 (vLLM's server); asked before any model
     loads"""
@@ -178,32 +210,35 @@ class JudgeConfig:
     score's noise is the policy's alone"""
     max_tokens: int = 64
     """longest answer of the judge, in tokens"""
-    max_concurrency: int = 8
-    """requests in flight at once"""
-    timeout_s: float = 30.0
-    """seconds one request may take before it is retried"""
-    max_retries: int = 2
-    """retries of a request that timed out, could not connect or got a 429/5xx, after backoff_s, 2·backoff_s, …
-    seconds"""
-    backoff_s: float = 1.0
-    """seconds before the first retry"""
-    weight: float = 1.0
-    """weight of the judge's score when type=rule+judge"""
+
+
+@dataclass
+class RemoteRewardConfig(RequestFields):
+    url: Optional[str] = None
+    """a reward server (reward.sources=[remote]): each batch is POSTed there as JSON in OpenRLHF's --remote_rm_url
+    format, {"query": [prompt + response text], "prompts": [...], "labels": [ground truths]} (and "responses",
+    "data_sources", "extra_info" beside), and {"rewards": [one number per sample]} (or "scores") comes back"""
+    request_size: int = 0
+    """samples per request; 0 = the whole batch in one"""
 
 
 @dataclass
 class RewardConfig:
-    type: Literal["rule", "model", "both", "judge", "rule+judge"] = "rule"
-    """score with rule functions, a reward model, a weighted sum of both, an LLM judge (judge.py), or the rule
-    and the judge weighted"""
+    sources: Optional[list[str]] = None
+    """the scorers whose weighted scores add up to the task score, names in scorers.SCORERS: rule (the built-in
+    rules by data_source), function (reward.function), model (a reward model), judge (an LLM judge), remote (a reward
+    server); null = [function] when reward.function is set, else [rule]"""
+    weights: list[float] = field(default_factory=list)
+    """one weight per source; [] = 1.0 each"""
+    type: Optional[Literal["rule", "model", "judge", "both", "rule+judge"]] = None
+    """the old spelling, still read: rule = sources [rule] (or [function] with reward.function), model = [model],
+    judge = [judge]; both and rule+judge are refused with their new spelling"""
     function: Optional[str] = None
-    """custom rule: path/to/file.py:name with verl's compute_score signature; null = built-ins by data_source"""
+    """your reward (source function): path/to/file.py:name with verl's compute_score signature, returning a number or
+    a dict with "score" (and, for rewards per token, "step_rewards" with "step_ends": the character offsets where
+    each step ends); beside a reward model, judge or server, the task's rule of val/rule_score/mean"""
     model_path: Optional[str] = None
-    """reward model folder (AutoModelForSequenceClassification)"""
-    rule_weight: float = 1.0
-    """weight of the rule score when type=both"""
-    model_weight: float = 1.0
-    """weight of the model score when type=both"""
+    """reward model folder (AutoModelForSequenceClassification), for source model"""
     normalize: bool = False
     """standardise model scores with the mean/std stored beside the reward model"""
     clip: Optional[float] = None
@@ -224,4 +259,6 @@ class RewardConfig:
     """seconds one call of a custom reward.function may take: it runs in a worker process, which is restarted after
     a call that hangs, exits or kills it; such a call is an error for its sample (reward/errors)"""
     judge: JudgeConfig = field(default_factory=JudgeConfig)
-    """the LLM judge (reward.type=judge or rule+judge)"""
+    """the LLM judge (source judge)"""
+    remote: RemoteRewardConfig = field(default_factory=RemoteRewardConfig)
+    """the reward server (source remote)"""

@@ -101,7 +101,7 @@ def console_line(metrics: dict, keys: list) -> str:
 
 def sample_table(rows: list[tuple]) -> str:
     """A plain-text table of (prompt, response, score[, judge]) rows, newlines shown as ⏎; the judge's answers
-    (reward.type=judge) get a column when any row has one."""
+    (a judge among reward.sources) get a column when any row has one."""
     def clip(s, n):
         s = s.replace("\n", "⏎")
         return s if len(s) <= n else "…" + s[-(n - 1):]

@@ -298,6 +298,40 @@ def load_models(cfg, accelerator, fsdp, fwd, with_critic: bool):
     return policy, ref, critic
 
 
+def check_teacher(cfg_teacher, cfg_model) -> None:
+    """Before any model loads: algorithm.teacher.path holds a model and a tokenizer whose vocabulary is the policy's
+    (the teacher's log-probabilities are read at the policy's token ids)."""
+    if not cfg_teacher.path:
+        return
+    trust = cfg_model.trust_remote_code
+    check_model_path(cfg_teacher.path, "algorithm.teacher.path", trust_remote_code=trust)
+    check_model_path(cfg_teacher.path, "algorithm.teacher.path", need="tokenizer", trust_remote_code=trust)
+    theirs = load_tokenizer(cfg_teacher.path, "algorithm.teacher.path", trust_remote_code=trust).get_vocab()
+    ours = policy_tokenizer(cfg_model).get_vocab()
+    if theirs != ours:
+        differ = sorted(set(theirs.items()) ^ set(ours.items()), key=str)[:3]
+        raise ConfigError(f"algorithm.teacher.path={cfg_teacher.path}: its tokenizer's vocabulary is not the "
+                          f"policy's ({len(theirs)} tokens against {len(ours)}; (token, id) pairs in one only: "
+                          f"{differ}), so its log-probabilities would be of other tokens; distil from a teacher with "
+                          f"the policy's tokenizer")
+
+
+def load_teacher(cfg, accelerator, fsdp, fwd):
+    """On-policy distillation's frozen teacher (algorithm.teacher.path), loaded and placed as the reference is; None
+    without one. It never runs from the policy's trunk (ppo.teacher_logprobs): its layers are its own."""
+    if not cfg.algorithm.teacher.path:
+        return None
+    compute = autocast_dtype(cfg.model.dtype) if fsdp is None else None
+    dtype = reference_dtype(accelerator.device, autocast_dtype(cfg.model.dtype))
+    teacher = load_reference(cfg.algorithm.teacher.path, dtype, trust_remote_code=cfg.model.trust_remote_code)
+    frozen_linears_in(teacher, compute)
+    teacher = distribute(teacher, accelerator, fsdp, trainable=False)
+    if fwd.layout == "packed":
+        use_varlen_attention(accelerator.unwrap_model(teacher))
+    accelerator.print(f"teacher: {cfg.algorithm.teacher.path} (algorithm.teacher.mode={cfg.algorithm.teacher.mode})")
+    return teacher
+
+
 def check_output_folder(path: str, overwrite: bool, inputs: tuple = ()) -> None:
     """Before an export writes the folder `path`: one that exists and holds anything is refused unless `overwrite`
     (the user said to replace it), and one that is, or holds, a folder of `inputs` (what the export reads: a base

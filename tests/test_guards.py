@@ -43,21 +43,21 @@ def test_a_best_metric_validation_never_logs_fails_before_any_model_loads(workdi
 
 
 def test_the_validation_metrics_follow_the_config():
-    """validation_metrics: val/score/mean and one score per data_source always; pass@1, 2, 4 and 6 and maj@6 per
+    """logged_names: val/score/mean and one score per data_source always; pass@1, 2, 4 and 6 and maj@6 per
     source and overall with val_n=6 and a rule; val/rule_score/mean with a judge or a reward model, and then no
     pass@k; val/agent/* with multi-turn only. (test_recovery.py checks the set against what a real run logs.)"""
-    from infra.checks import validation_metrics
+    from validation import logged_names
     sources = {"gsm8k", "math"}
-    assert validation_metrics(config(), sources) == {"val/score/mean", "val/gsm8k/score", "val/math/score"}
-    at_6 = validation_metrics(config("rollout.val_n=6", "rollout.val_temperature=1.0"), {"gsm8k"})
+    assert logged_names(config(), sources) == {"val/score/mean", "val/gsm8k/score", "val/math/score"}
+    at_6 = logged_names(config("rollout.val_n=6", "rollout.val_temperature=1.0"), {"gsm8k"})
     assert at_6 == {"val/score/mean", "val/gsm8k/score"} | {
         name for kind in ("pass@1", "pass@2", "pass@4", "pass@6", "maj@6")
         for name in (f"val/{kind}/mean", f"val/gsm8k/{kind}")}
-    judged = validation_metrics(config("reward.type=judge", "rollout.val_n=6", "rollout.val_temperature=1.0"), sources)
+    judged = logged_names(config("reward.type=judge", "rollout.val_n=6", "rollout.val_temperature=1.0"), sources)
     assert judged == {"val/score/mean", "val/gsm8k/score", "val/math/score", "val/rule_score/mean"}
     turns = {"agent/turns_mean": 0.0}
-    assert "val/agent/turns_mean" not in validation_metrics(config(), sources, turns)
-    assert "val/agent/turns_mean" in validation_metrics(config("rollout.multi_turn.enable=true"), sources, turns)
+    assert "val/agent/turns_mean" not in logged_names(config(), sources, turns)
+    assert "val/agent/turns_mean" in logged_names(config("rollout.multi_turn.enable=true"), sources, turns)
 
 
 @pytest.mark.parametrize("overrides, start", [

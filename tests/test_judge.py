@@ -190,23 +190,26 @@ def test_a_slow_judge_times_out_into_a_counted_error(stub, template_file):
 
 
 def test_the_scorer_counts_judge_errors_and_stops_when_all_fail(stub, template_file):
-    """Scorer with reward.type=judge: an unparseable answer is an error in reward/judge_errors and scores 0; when
-    every sample errs it raises RewardError (the run stops, as for a failing reward function). With rule+judge the
-    score is rule_weight·rule + judge.weight·judge."""
-    from rewards import RewardError, Scorer
+    """Scorer with reward.type=judge: an unparseable answer is an error in reward/judge_errors and scores 0, the raw
+    answers are each sample's extras; when every sample errs it raises RewardError (the run stops, as for a failing
+    reward function). With sources [rule, judge] and weights [0.5, 2] the score is 0.5·rule + 2·judge."""
+    from rewards import RewardError
+    from scorers import Scorer
     server = stub(answer=lambda prompt: "yes" if "A: 7" in prompt else "I cannot say")
     rows = [{**row, "data_source": "arithmetic", "extra_info": {}} for row in ROWS]
     scorer = Scorer(judge_config(server.url, template_file), "cpu", None)
     with pytest.warns(UserWarning, match="the judge failed on 1/2 samples"):
-        scores, metrics = scorer(rows, ["7", "11"])
+        got = scorer(rows, ["7", "11"])
+    scores, metrics = got.scores, got.metrics
     assert scores.tolist() == [1.0, 0.0] and metrics["reward/judge_errors"] == 1.0
-    assert scorer.judge_answers == ["yes", "I cannot say"]
+    assert [extra["judge_answer"] for extra in got.extras] == ["yes", "I cannot say"]
     with pytest.raises(RewardError, match="the judge failed on all 2 samples"):
         scorer(rows, ["8", "8"])
-    both = Scorer(judge_config(server.url, template_file, "reward.type=rule+judge", "reward.rule_weight=0.5",
-                               "reward.judge.weight=2"), "cpu", None)
+    both = Scorer(load_config(None, [f"reward.judge.base_url={server.url}", "reward.sources=[rule,judge]",
+                                     "reward.weights=[0.5,2]", f"reward.judge.prompt_template={template_file}",
+                                     "reward.judge.parser=yes_no", "reward.judge.backoff_s=0.05"]).reward, "cpu", None)
     with pytest.warns(UserWarning):
-        assert both(rows, ["7", "11"])[0].tolist() == [0.5 + 2.0, 0.5]  # the rule: both right; the judge: only one
+        assert both(rows, ["7", "11"]).scores.tolist() == [0.5 + 2.0, 0.5]  # the rule: both right; the judge: one
 
 
 def test_the_start_up_check_names_the_key(stub, template_file, tmp_path):

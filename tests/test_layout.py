@@ -79,6 +79,25 @@ def test_import_graph_has_no_cycle():
             visit(module, [module])
 
 
+def reachable(start: str) -> set[str]:
+    """Every library module `start` imports, directly or through others, deferred imports included."""
+    edges = {src: {dst for dst, _ in out} for src, out in graph().items()}
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in edges.get(todo.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def test_ppo_never_imports_the_reward_model_training_script():
+    """Issue 31: nothing in ppo.py's import graph is reward_model.py (the Bradley–Terry training script): the scorer
+    PPO calls and the network it runs are in scorers.py, which the training script imports in turn."""
+    assert "reward_model" not in reachable("ppo")
+    assert "scorers" in reachable("ppo") and "scorers" in reachable("reward_model")
+
+
 def test_the_checker_sees_a_planted_cycle_and_an_upward_import(tmp_path, monkeypatch):
     """The two checks above fail on a tree that has a cycle (a → b → a, b's import deferred) and a plumbing module
     importing a stage: they are not vacuous."""

@@ -14,7 +14,8 @@ from advantages import (gae, grpo, masked_whiten, reinforce_plus_plus, reinforce
 from losses import agg_loss, cispo, Clip, Counts, gspo, rejection_mask, rollout_is_weights, vanilla
 from ppo import ActorLoss, policy_loss_mask
 from infra.optim import lr_lambda
-from rewards import overlong_reward, pass_and_majority, pass_at_k
+from rewards import overlong_reward
+from validation import pass_and_majority, pass_at_k, validation_metrics
 
 
 def settings(gamma=1.0, lam=0.95, n=1, norm_by_std=True, whiten=False, reduce_sum=None):
@@ -636,10 +637,10 @@ def test_pass_and_majority_per_source_and_overall():
 
 
 def test_validation_metrics_at_k_read_the_rules_answers(tmp_path):
-    """Scorer.validation_metrics with k = 2 and a rule that returns {"score", "pred"} (as verl's DAPO rule): mean@2 is
+    """validation_metrics with k = 2 and a rule that returns {"score", "pred"} (as verl's DAPO rule): mean@2 is
     val/score/mean, pass@1 and pass@2 follow the scores, and maj@2 the rule's answers ("pred")."""
     from infra import cli
-    from rewards import Scorer
+    from scorers import Scorer
     rule = tmp_path / "rule.py"
     rule.write_text('def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n'
                     '    pred = solution_str.strip()\n'
@@ -647,11 +648,11 @@ def test_validation_metrics_at_k_read_the_rules_answers(tmp_path):
     scorer = Scorer(cli.load_config(None, [f"reward.function={rule}:compute_score"]).reward, "cpu", None)
     rows = [{"data_source": "s", "ground_truth": "4", "extra_info": {}}] * 2 + [
         {"data_source": "s", "ground_truth": "5", "extra_info": {}}] * 2
-    m = scorer.validation_metrics(rows, ["4", "4", "5", "6"], ["s"], one_process(), k=2)
+    m = validation_metrics(scorer, rows, ["4", "4", "5", "6"], ["s"], one_process(), k=2)
     assert m["val/score/mean"] == pytest.approx(0.75) and m["val/s/score"] == pytest.approx(0.75)
     assert m["val/s/pass@1"] == pytest.approx(0.75) and m["val/s/pass@2"] == pytest.approx(1.0)
     assert m["val/s/maj@2"] == pytest.approx(1.0)  # "4" twice; a tie "5"/"6" goes to the first seen, "5"
-    assert "val/s/pass@2" not in scorer.validation_metrics(rows, ["4", "4", "5", "6"], ["s"], one_process(), k=1)
+    assert "val/s/pass@2" not in validation_metrics(scorer, rows, ["4", "4", "5", "6"], ["s"], one_process(), k=1)
 
 
 # ---- asymmetric clipping

@@ -358,8 +358,8 @@ def test_reward_both_is_the_weighted_sum(workdir, tmp_path):
     score/mean = 1·(reward/digits / 8) + 0.5·reward/model_score_mean (the rule is digits/8)."""
     out = tmp_path / "both"
     rm = make_tiny_reward_model(tmp_path / "rm")
-    run_ppo(workdir, out, "reward.type=both", f"reward.model_path={rm}", "reward.rule_weight=1.0",
-            "reward.model_weight=0.5", "trainer.total_steps=1", *QUIET)
+    run_ppo(workdir, out, "reward.sources=[function,model]", f"reward.model_path={rm}", "reward.weights=[1.0,0.5]",
+            "trainer.total_steps=1", *QUIET)
     (line,) = [m for m in read_metrics(out) if m["step"] > 0]
     assert line["reward/model_score_mean"] != 0
     assert line["score/mean"] == pytest.approx(line["reward/digits"] / 8 + 0.5 * line["reward/model_score_mean"],

@@ -676,10 +676,10 @@ def test_a_best_damaged_during_the_run_is_said_once_and_never_restored(workdir, 
     assert not all(torch.equal(best[k], step_2[k]) for k in best)  # a rollback would have made them equal
     state = json.loads((out / "step_3" / "state.json").read_text())
     assert state["best"] == {"step": 1, "value": 1.0, "problem": problem}  # a resumed run does not try again
-    from infra.checks import validation_metrics
+    from validation import logged_names
     cfg = ppo_config(workdir, out, "rollout.val_n=2", "rollout.val_temperature=1.0")
     logged = {key for line in lines for key in line if key.startswith("val/")}
-    allowed = validation_metrics(cfg, {"arithmetic"})
+    allowed = logged_names(cfg, {"arithmetic"})
     assert logged <= allowed and allowed - logged == {"val/maj@2/mean", "val/arithmetic/maj@2"}  # no "pred": no maj
 
 

@@ -127,7 +127,12 @@ def test_a_null_ground_truth_is_an_error_not_a_silent_zero():
 
 # ---- start-up check of data_source values
 
-RULE = SimpleNamespace(type="rule", function=None)
+def reward_config(**keys):
+    """A reward section's keys for the start-up check: the sources default (sources, weights, type null)."""
+    return SimpleNamespace(**{"sources": None, "weights": [], "type": None, "function": None, **keys})
+
+
+RULE = reward_config(type="rule")
 
 
 def test_check_data_sources_names_every_unsupported_source_and_the_fix():
@@ -144,10 +149,10 @@ def test_check_data_sources_names_every_unsupported_source_and_the_fix():
 
 def test_check_data_sources_trusts_a_custom_function_or_a_reward_model():
     """A custom reward.function scores every source; reward.type=model uses no rule."""
-    rewards.check_data_sources({"apps", "my/data"}, SimpleNamespace(type="rule", function="r.py:f"))
-    rewards.check_data_sources({"apps"}, SimpleNamespace(type="model", function=None))
+    rewards.check_data_sources({"apps", "my/data"}, reward_config(type="rule", function="r.py:f"))
+    rewards.check_data_sources({"apps"}, reward_config(type="model"))
     with pytest.raises(ConfigError):
-        rewards.check_data_sources({"apps"}, SimpleNamespace(type="both", function=None))
+        rewards.check_data_sources({"apps"}, reward_config(type="both"))
 
 
 VERL_STYLE = '''

@@ -1,0 +1,139 @@
+"""Validation: rollout.val_n responses per validation prompt, scored as training scores them (scorers.Scorer), and
+what k samples of a prompt tell: mean@k, unbiased pass@k and maj@k per data_source, and beside a reward model, judge
+or reward server the task's rule on the same answers (val/rule_score/mean), so that reward hacking shows.
+
+    metrics = validate(cfg, rollout, tokenizer, scorer, val_rows, accelerator)    # ppo.py, every trainer.test_freq
+
+check_best_metric, before any model loads, holds trainer.best_metric to the names validation logs (logged_names).
+"""
+import difflib
+import functools
+import math
+from collections import Counter
+
+import torch
+
+from agent import with_conversations
+from infra.config import ConfigError
+from infra.metrics import reduce_metrics, sum_over_processes
+from rewards import decode_responses, one_rule, reward_sources, rule_for, score_on_every_process, score_responses
+
+
+@torch.no_grad()
+def validate(cfg, rollout, tokenizer, scorer, val_rows, accelerator) -> dict:
+    """rollout.val_n responses per validation prompt at rollout.val_temperature (one, greedy, by default), scored:
+    validation_metrics. Every validation samples with the run's seed, so that they differ by the policy."""
+    k, mine = cfg.rollout.val_n, val_rows[accelerator.process_index::accelerator.num_processes]
+    ro = rollout.generate([r["prompt_ids"] for r in mine], n=k, temperature=cfg.rollout.val_temperature,
+                          seed=cfg.trainer.seed)
+    texts = decode_responses(tokenizer, ro)
+    sources = sorted({r["data_source"] for r in val_rows})
+    rows = with_conversations([r for r in mine for _ in range(k)], ro)  # multi-turn: the reward reads them
+    metrics = validation_metrics(scorer, rows, texts, sources, accelerator, k, ro=ro)
+    turn_metrics = reduce_metrics(accelerator, ro.metrics) if ro.metrics else {}  # agent/*: multi-turn only
+    return {**metrics, **{f"val/{key}": value for key, value in turn_metrics.items()}}
+
+
+def validation_metrics(scorer, rows: list[dict], texts: list[str], sources: list, accelerator, k: int = 1,
+                       ro=None) -> dict:
+    """Over the rows of every process (`sources`: every data_source of the validation set), rows i·k … i·k + k − 1
+    being one prompt's k samples: val/score/mean and val/<data_source>/score, the mean score (mean@k); with k > 1
+    and a score that is one rule's (Scorer.is_rule), pass@j and maj@k (pass_and_majority); with any other score,
+    val/rule_score/mean: the task's rule on the same answers, over the rows with a ground truth and a rule. ro: the
+    rollout.Rollout of the texts, which a scorer may read (a reward server's query: the tokens), or None."""
+    got = score_on_every_process(functools.partial(scorer, rows, texts, ro), accelerator)
+    sums = torch.zeros(len(sources), 2)  # (sum of scores, count) per data_source
+    for row, score in zip(rows, got.scores.tolist()):
+        sums[sources.index(row["data_source"])] += torch.tensor([score, 1.0])
+    sums = sum_over_processes(accelerator, sums)
+    metrics = {"val/score/mean": (sums[:, 0].sum() / sums[:, 1].sum()).item()}
+    metrics.update({f"val/{src}/score": (s / max(c, 1)).item() for src, (s, c) in zip(sources, sums)})
+    if k > 1 and scorer.is_rule:
+        answers = [extra.get("pred") for extra in got.extras]
+        metrics.update(pass_and_majority(rows, got.scores.tolist(), answers, sources, k, accelerator))
+    if scorer.task_rule is not None:
+        ruled = [(row, text) for row, text in zip(rows, texts)
+                 if row["ground_truth"] is not None and rule_of(scorer, row)]
+        rule_scores, _, _ = score_responses(scorer.task_rule, [row for row, _ in ruled], [text for _, text in ruled])
+        total, count = sum_over_processes(accelerator, torch.tensor([sum(rule_scores), len(rule_scores)],
+                                                                    dtype=torch.float64)).tolist()
+        if count:
+            metrics["val/rule_score/mean"] = total / count
+    return metrics
+
+
+def rule_of(scorer, row: dict) -> bool:
+    """Whether the task rule scores this row: a custom reward.function scores every row, the built-ins those whose
+    data_source has a rule."""
+    return scorer.custom_rule or rule_for(row["data_source"]) is not None
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased estimate of pass@k from n samples of which c are right (Chen et al., 2021, eq. 1):
+    1 − C(n − c, k) / C(n, k), the chance that k of the n drawn without replacement hold a right one."""
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def pass_and_majority(rows: list[dict], scores: list, answers: list, sources: list, k: int, accelerator) -> dict:
+    """Per data_source (val/<src>/…) and over all prompts (val/…/mean), from k samples per prompt, a sample being
+    right when its rule score is > 0 (rules score 1 right, 0 or −1 wrong):
+        pass@j for j = 1, 2, 4, … and k    unbiased (pass_at_k); pass@1 is the share of right samples
+        maj@k                               is the most frequent answer right? Over the prompts whose k samples all
+                                            have one (the rule's "pred"; ties: the answer seen first)
+    """
+    js = sorted({2 ** i for i in range(k.bit_length()) if 2 ** i <= k} | {k})
+    table = torch.zeros(len(sources), len(js) + 3, dtype=torch.float64)  # prompts, Σ pass@j …, Σ maj@k, its prompts
+    for start in range(0, len(rows), k):
+        src, right = sources.index(rows[start]["data_source"]), [s > 0 for s in scores[start:start + k]]
+        table[src, 0] += 1
+        table[src, 1:len(js) + 1] += torch.tensor([pass_at_k(k, sum(right), j) for j in js], dtype=torch.float64)
+        group = answers[start:start + k]
+        if None not in group:
+            majority = Counter(group).most_common(1)[0][0]
+            table[src, -2:] += torch.tensor([float(right[group.index(majority)]), 1.0], dtype=torch.float64)
+    table = sum_over_processes(accelerator, table)
+    metrics = {}
+    for prefix, suffix, counts in [(f"val/{src}/", "", row) for src, row in zip(sources, table)] + [
+            ("val/", "/mean", table.sum(0))]:
+        metrics.update({f"{prefix}pass@{j}{suffix}": (counts[1 + i] / counts[0].clamp(min=1)).item()
+                        for i, j in enumerate(js)})
+        if counts[-1] > 0:
+            metrics[f"{prefix}maj@{k}{suffix}"] = (counts[-2] / counts[-1]).item()
+    return metrics
+
+
+# ---- the names validation logs, checked at start-up
+
+
+def logged_names(cfg, sources: set, turn_metrics=()) -> set[str]:
+    """Every name that ppo.py's validation can log (validation.py): val/score/mean and val/<data_source>/score for
+    the validation data's sources; with rollout.val_n = k > 1 and a score that is one rule's (rewards.one_rule),
+    val/pass@j/mean and val/<data_source>/pass@j for j = 1, 2, 4, … and k, and maj@k (logged where the rule gives
+    its answers); with any other score, val/rule_score/mean; with rollout.multi_turn, val/<key> for each
+    key of `turn_metrics` (agent.agent_metrics)."""
+    k, rule_alone = cfg.rollout.val_n, one_rule(reward_sources(cfg.reward))
+    names = {"val/score/mean"} | {f"val/{src}/score" for src in sources}
+    if k > 1 and rule_alone:
+        kinds = [f"pass@{j}" for j in sorted({2 ** i for i in range(k.bit_length()) if 2 ** i <= k} | {k})]
+        for kind in kinds + [f"maj@{k}"]:
+            names |= {f"val/{kind}/mean"} | {f"val/{src}/{kind}" for src in sources}
+    if not rule_alone:
+        names.add("val/rule_score/mean")
+    if cfg.rollout.multi_turn.enable:
+        names |= {f"val/{key}" for key in turn_metrics}
+    return names
+
+
+def check_best_metric(cfg, sources: set, turn_metrics=()) -> None:
+    """trainer.best_metric is a name this run's validation logs (logged_names), checked once the validation
+    data is read and before any model loads; a misspelt one used to fail at the first validation, with
+    trainer.test_freq=0 only after the last step, losing the run."""
+    best = cfg.trainer.best_metric
+    if not best:
+        return
+    names = logged_names(cfg, sources, turn_metrics)
+    if best not in names:
+        near = difflib.get_close_matches(best, names, n=1, cutoff=0.6)
+        shown = sorted(names)[:20] + (["…"] if len(names) > 20 else [])
+        raise ConfigError(f"trainer.best_metric={best} is not a metric this run's validation logs (it logs "
+                          f"{', '.join(shown)})" + (f": did you mean {near[0]}?" if near else ""))
