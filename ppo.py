@@ -56,7 +56,6 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
-from accelerate import Accelerator
 from accelerate.utils import set_seed
 from accelerate.utils import extract_model_from_parallel as unwrap_model
 from tqdm import tqdm
@@ -68,10 +67,10 @@ import kl
 from advantages import COMPARES_SAMPLES, masked_mean, NEEDS_CRITIC
 from critic import explained_variance, value_loss
 from infra import cli, config
-from infra.batches import autocast_dtype, Forward, micro_batch, per_token_pass, split_micro
+from infra.batches import autocast_dtype, Forward, micro_batch, per_token_pass, resolve_dtype, split_micro
 from infra.checks import check_combinations, check_sizes
 from infra.config import ConfigError
-from infra.distributed import fsdp_from_launcher, max_over_processes, use_cpu
+from infra.distributed import fsdp_from_launcher, make_accelerator, max_over_processes
 from infra.layouts import batch_layout
 from infra.metrics import check_loggers, console_line, reduce_metrics, sample_table, sum_over_processes, timed
 from infra.models import check_model_folders, load_models, policy_tokenizer
@@ -269,8 +268,9 @@ def check_inputs(cfg, needs_critic: bool) -> None:
 def main(cfg: config.Config):
     check_names(cfg)
     needs_critic = cfg.algorithm.adv_estimator in NEEDS_CRITIC
-    accelerator = Accelerator(cpu=use_cpu())  # on a CPU, launched processes join over gloo
+    accelerator = make_accelerator()  # the device, and the launched processes' group (infra/distributed.py)
     print0 = functools.partial(accelerator.print, flush=True)  # rank 0 only; flushed even into a pipe
+    cfg = resolve_dtype(cfg, accelerator.device, print0)  # model.dtype=auto → bf16 or fp32 here, saying why
     # before anything loads: output_dir is this run's alone, a checkpoint fits this config, the inputs exist
     lock, resume_from, finished = start_run(accelerator, cfg, "trainer",  # the lock is held until the process ends
                                             unused=frozenset() if needs_critic else frozenset({"critic.model_path"}))

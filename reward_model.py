@@ -39,7 +39,6 @@ import time
 
 import torch
 import torch.nn.functional as F
-from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm import tqdm
 
@@ -47,7 +46,7 @@ import data
 from infra import cli, config
 from infra.batches import autocast, autocast_dtype
 from infra.checks import exact_div
-from infra.distributed import distribute, fsdp_from_launcher, use_cpu
+from infra.distributed import distribute, fsdp_from_launcher, make_accelerator
 from infra.metrics import check_loggers, console_line, MetricsLogger, wandb_resume_id
 from infra.models import check_model_path, load_reward_classifier, load_tokenizer, save_pretrained_atomic
 from infra.optim import make_optimizer, restore_schedule, train_step
@@ -214,7 +213,7 @@ def non_finite(model, stats: dict):
 
 def main(cfg: config.RewardModelStage):
     rm = cfg.reward_model
-    accelerator = Accelerator(cpu=use_cpu())  # on a CPU, launched processes join over gloo
+    accelerator = make_accelerator()  # the device, and the launched processes' group (infra/distributed.py)
     if fsdp_from_launcher():
         raise config.ConfigError("reward_model.py trains on one process or with DDP (accelerate launch "
                                  "--num_processes N reward_model.py …), not under an FSDP config")
