@@ -2,6 +2,7 @@
 reference's dtype, and the GPU check's own plan. What only a GPU can show is bench/gpu_check.sh's."""
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -207,3 +208,96 @@ def test_the_vllm_stage_skips_where_vllm_does_not_import(tmp_path):
     assert proc.returncode == 3
     assert proc.stdout.strip().splitlines()[-1] == ("SKIP: vLLM does not import here (ImportError: no vLLM on this "
                                                     "machine); the HF backend is not a stand-in for it")
+
+
+# ---- the GPU check's own code on the CPU (GPU_CHECK_CPU=1), up to the device boundary (issue 29)
+
+
+def stage_args(name: str, work) -> tuple[list, str]:
+    """A ppo stage's arguments to bench/gpu_check.py, and the line its log must hold, as gpu_check.sh gives them."""
+    env = dict(os.environ, WORK=str(work), GPU_CHECK_CPU="1", PY=sys.executable)
+    out = subprocess.run(["bash", "bench/gpu_check.sh", "--args", name], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=60, check=True).stdout.splitlines()
+    return out[:-1], out[-1].removeprefix("SAYS=")
+
+
+@pytest.fixture
+def gpu_check_cpu(tmp_path, monkeypatch):
+    """bench/gpu_check.py imported with GPU_CHECK_CPU=1 and WORK under tmp_path; whatever its stages patch in the
+    library (ppo's functions, the rollouts' methods, layouts.varlen_sdpa) is put back afterwards."""
+    import importlib.util
+
+    import ppo
+    import rollout
+    from infra import layouts
+    monkeypatch.setenv("WORK", str(tmp_path / "work"))
+    monkeypatch.setenv("GPU_CHECK_CPU", "1")
+    monkeypatch.chdir(REPO)
+    for owner, names in ((ppo, ["per_token_pass", "train_step", "save_checkpoint", "save_final"]),
+                         (rollout.HFRollout, ["generate", "sync_weights"]),
+                         (rollout.VLLMRollout, ["generate", "sync_weights"]), (layouts, ["varlen_sdpa"])):
+        for name in names:
+            monkeypatch.setattr(owner, name, getattr(owner, name))
+    spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(REPO, "bench", "gpu_check.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def stage_exit(fn) -> tuple[int, str]:
+    """(exit code, last line) of a stage that ends by sys.exit: its SKIP (3) or FAIL (1); 0 when it returns."""
+    try:
+        fn()
+    except SystemExit as e:
+        return e.code, ""
+    return 0, ""
+
+
+def test_the_gpu_checks_python_runs_on_the_cpu_up_to_the_device(gpu_check_cpu, tmp_path, capsys, monkeypatch):
+    """With GPU_CHECK_CPU=1, bench/gpu_check.py's stages run on the CPU with their patches, as gpu_check.sh calls
+    them: setup, build (the 0.5B-shaped model at a tiny size), the half-full and half-lora ppo runs with their own
+    arguments (phase counting, packed attention through the patched layouts.varlen_sdpa: the rename that broke them
+    in issue 29 now fails here), the resume comparison and the report; the vLLM stage reads its config and stops
+    before the engine (SKIP, exit 3). The launched stages' arguments parse, and the lines their logs must hold are
+    the ones ppo.py writes."""
+    import torch
+
+    from infra.cli import load_config
+    from infra.distributed import describe, FSDP
+    gc, work = gpu_check_cpu, tmp_path / "work"
+    gc.setup()
+    assert json.loads((work / "figures" / "setup.json").read_text())["gpu"] is None
+    gc.build()
+    for label, phases in (("half-full", {"generate", "old_logprob", "ref", "values", "update_actor", "update_critic",
+                                         "sync"}),
+                          ("half-lora", {"generate", "old_logprob", "ref", "update_actor", "sync"})):
+        args, says = stage_args(label, work)
+        assert args[:2] == ["ppo", label] and "--strict-packed" in args and says == ""
+        gc.run_ppo(args[1:])
+        figures = json.loads((work / "figures" / f"{label}.json").read_text())
+        assert set(figures["peak_gib_per_phase"]) == phases, figures
+        assert figures["packed_attention_calls"] > 0 and figures["steps"][-1] == load_config(
+            None, [a for a in args[2:] if not a.startswith("--")]).trainer.total_steps
+    gc.same_step(str(work / "runs" / "half-full"), str(work / "runs" / "half-full"), 1)
+    assert json.loads((work / "figures" / "resume.json").read_text())["largest_relative_difference"] == 0
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # were vLLM importable, the CPU mode would still stop first
+    assert stage_exit(gc.vllm_stage)[0] == 3
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("SKIP: GPU_CHECK_CPU: the config reads")
+
+    class OneProcess:
+        num_processes = 1
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda: "gloo")
+    for name, fsdp in (("fsdp2", FSDP(True, False, None)), ("offload", FSDP(True, True, torch.bfloat16))):
+        args, says = stage_args(name, work)
+        load_config(os.path.join(REPO, "configs.yaml"), args[2:])
+        assert re.search(says, describe(fsdp, OneProcess(), ["policy", "critic", "reference"])), (says, name)
+    args, says = stage_args("resume", work)
+    assert says == f"resumed from {work}/runs/resumed/step_2 at step 2" and load_config(None, args[2:])
+
+    (work / "status.tsv").write_text("setup\tPASS\t3\t25\t\t\nvllm\tSKIP\t1\t60\t\tGPU_CHECK_CPU\n")
+    gc.report(str(tmp_path / "gpu_check.json"))
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert [s["outcome"] for s in report["stages"]] == ["PASS", "SKIP"]
+    assert {"setup", "build", "half-full", "half-lora", "resume"} <= set(report["figures"])
