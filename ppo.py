@@ -48,6 +48,7 @@ The batch, a dict of tensors with one row per sequence, filled step by step (mic
                                              reward.overlong_filter drops and the tokens algorithm.rollout_rs rejects
 """
 import functools
+import os
 import signal
 import sys
 import time
@@ -68,9 +69,9 @@ from advantages import COMPARES_SAMPLES, masked_mean, NEEDS_CRITIC
 from critic import explained_variance, value_loss
 from infra import cli, config
 from infra.batches import autocast_dtype, Forward, micro_batch, per_token_pass, resolve_dtype, split_micro
-from infra.checks import check_combinations, check_sizes
+from infra.checks import check_combinations, check_sizes, Sizes
 from infra.config import ConfigError
-from infra.distributed import fsdp_from_launcher, make_accelerator, max_over_processes
+from infra.distributed import fsdp_from_launcher, make_accelerator, max_over_processes, use_cpu
 from infra.layouts import batch_layout
 from infra.metrics import check_loggers, console_line, reduce_metrics, sample_table, sum_over_processes, timed
 from infra.models import check_model_folders, load_models, policy_tokenizer
@@ -257,12 +258,42 @@ def policy_loss_mask(batch: dict, truncated, cfg) -> tuple[torch.Tensor, dict]:
     return loss_mask, metrics
 
 
-def check_inputs(cfg, needs_critic: bool) -> None:
-    """Before any model loads: the model folders (and the critic's, when there is one), the reward model or reward
-    function, and the loggers' packages."""
+@dataclass(frozen=True)
+class Inputs:
+    """What check_inputs reads: the policy's tokenizer, the prompts, and the batch sizes they were checked for."""
+    tokenizer: object
+    train_rows: list
+    val_rows: list
+    sizes: Sizes
+
+
+def check_inputs(cfg, num_processes: int, print0=print) -> Inputs:
+    """Everything before a model loads, for `num_processes` processes: the tables' names, the model folders (the
+    critic's too, when there is one), the reward model, function or judge, the loggers' packages, the launcher's FSDP
+    settings, the prompts (a rule's rows must have a ground truth) and the batch sizes; `ppo.py --check` stops here."""
+    check_names(cfg)
+    needs_critic = cfg.algorithm.adv_estimator in NEEDS_CRITIC
     check_model_folders(cfg.model, (cfg.critic.model_path or cfg.model.path) if needs_critic else None)
     check_reward_inputs(cfg.reward, cfg.model.trust_remote_code)
     check_loggers(cfg.trainer.logger, "trainer.logger")
+    fsdp_from_launcher()
+    tokenizer = policy_tokenizer(cfg.model)
+    train_rows, val_rows = load_prompts(cfg.data, tokenizer, print0,
+                                        rule_of=functools.partial(rule_needing_truth, cfg_reward=cfg.reward))
+    sizes = check_sizes(cfg, num_processes, len(train_rows))
+    check_data_sources({r["data_source"] for r in train_rows + val_rows}, cfg.reward)  # each has a rule
+    agent.check_multi_turn(cfg.rollout, tokenizer)  # multi-turn: the tools import, the template writes their answers
+    return Inputs(tokenizer, train_rows, val_rows, sizes)
+
+
+def check_only(cfg, num_processes: int) -> str:
+    """`ppo.py --check`: check_inputs, then one line of what a run would do; no model is loaded."""
+    print0 = print if os.environ.get("RANK", "0") == "0" else (lambda *args, **kwargs: None)
+    cfg = resolve_dtype(cfg, torch.device("cpu" if use_cpu() else "cuda"), print0)
+    s = check_inputs(cfg, num_processes, print0).sizes
+    return (f"{num_processes} process(es), each a step: {s.prompts} prompts × {cfg.rollout.n} = {s.batch} sequences, "
+            f"{s.num_mini} mini-batch(es) of {s.mini}, micro-batches of {s.actor_micro} (actor) and {s.critic_micro} "
+            f"(critic); the inputs are there; no model loaded")
 
 
 def main(cfg: config.Config):
@@ -276,19 +307,13 @@ def main(cfg: config.Config):
                                             unused=frozenset() if needs_critic else frozenset({"critic.model_path"}))
     if finished:
         return None
-    check_inputs(cfg, needs_critic)
+    # ---- inputs and data: prompts tokenised once, sizes checked, before any model is loaded
+    inputs = check_inputs(cfg, accelerator.num_processes, print0)
+    tokenizer, train_rows, val_rows, sizes = inputs.tokenizer, inputs.train_rows, inputs.val_rows, inputs.sizes
     set_seed(cfg.trainer.seed)
     t, alg, device = cfg.trainer, cfg.algorithm, accelerator.device
     dtype = autocast_dtype(cfg.model.dtype)
     fsdp = fsdp_from_launcher(dtype)  # FSDP2 settings of an accelerate config file, or None
-    tokenizer = policy_tokenizer(cfg.model)
-
-    # ---- data: prompts tokenised once, sizes checked before any model is loaded
-    train_rows, val_rows = load_prompts(cfg.data, tokenizer, print0,  # a rule's rows must have a ground truth
-                                        rule_of=functools.partial(rule_needing_truth, cfg_reward=cfg.reward))
-    sizes = check_sizes(cfg, accelerator.num_processes, len(train_rows))
-    check_data_sources({r["data_source"] for r in train_rows + val_rows}, cfg.reward)  # each has a rule
-    agent.check_multi_turn(cfg.rollout, tokenizer)  # multi-turn: the tools import, the template writes their answers
     n, B = cfg.rollout.n, sizes.batch
 
     # ---- models (infra/models.py builds them all): actor, reference, critic; optimisers after sharding
@@ -469,4 +494,4 @@ def main(cfg: config.Config):
 
 
 if __name__ == "__main__":
-    cli.run_script(main, __doc__, config.Config, "ppo.py")
+    cli.run_script(main, __doc__, config.Config, "ppo.py", check=check_only)
