@@ -301,3 +301,75 @@ def test_the_gpu_checks_python_runs_on_the_cpu_up_to_the_device(gpu_check_cpu, t
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert [s["outcome"] for s in report["stages"]] == ["PASS", "SKIP"]
     assert {"setup", "build", "half-full", "half-lora", "resume"} <= set(report["figures"])
+
+
+# ---- FSDP2's CPU offload: host gradients need a CPU backend in the process group (issue 29, pytorch#148532)
+
+
+def test_a_gpu_run_makes_its_process_group_with_gloo_beside_nccl(monkeypatch):
+    """Launched on GPUs (LOCAL_RANK set, CUDA usable), make_accelerator creates the group itself, before accelerate,
+    with "cpu:gloo,cuda:nccl" on this process's device; on a CPU it leaves the group to accelerate (gloo)."""
+    import accelerate
+
+    from infra import distributed
+    calls = []
+    monkeypatch.setattr(distributed, "use_cpu", lambda: False)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("device", device)))
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda backend: calls.append(("group", backend)))
+    monkeypatch.setattr(accelerate, "Accelerator", lambda cpu: calls.append(("accelerator", cpu)) or "accelerator")
+    assert distributed.make_accelerator() == "accelerator"
+    assert calls == [("device", 3), ("group", "cpu:gloo,cuda:nccl"), ("accelerator", False)]
+    calls.clear()
+    monkeypatch.setattr(distributed, "use_cpu", lambda: True)
+    distributed.make_accelerator()
+    assert calls == [("accelerator", True)]
+    assert distributed.process_group_backend(cuda=False) == "cpu:gloo"
+
+
+OFFLOAD_CLIP_SCRIPT = """
+import json, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from infra.distributed import process_group_backend
+from infra.optim import clip_grad_norm
+
+torch.distributed.init_process_group(process_group_backend(cuda=torch.cuda.is_available()))
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+reference = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+reference.load_state_dict(model.state_dict())
+for layer in (model[0], model[1], model):
+    fully_shard(layer, offload_policy=CPUOffloadPolicy(pin_memory=False))
+x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))  # the same rows on both processes
+model(x).pow(2).sum().backward()
+reference(x).pow(2).sum().backward()
+whole = torch.cat([p.grad.flatten() for p in reference.parameters()]).norm()
+grads = [p.grad for p in model.parameters()]
+total = clip_grad_norm(model.parameters(), 1.0)
+clipped = torch.cat([g.full_tensor().flatten() for g in grads]).norm()
+if torch.distributed.get_rank() == 0:
+    print(json.dumps({"host_dtensors": all(isinstance(g, DTensor) and g.device.type == "cpu" for g in grads),
+                      "backend": torch.distributed.get_backend(), "total": float(total), "whole": float(whole),
+                      "clipped": float(clipped)}))
+torch.distributed.destroy_process_group()
+"""
+
+
+def test_clip_grad_norm_over_offloaded_host_gradients_on_two_processes(tmp_path):
+    """FSDP2 with CPU offload on 2 processes, the group made with process_group_backend: every gradient is a host
+    DTensor shard; clip_grad_norm's norm is the whole gradient's (an unsharded copy's), and after clipping to 1 the
+    whole gradient's norm is 1. On NCCL alone this all-reduce had no backend (pytorch#148532)."""
+    (tmp_path / "clip.py").write_text(OFFLOAD_CLIP_SCRIPT)
+    from conftest import free_port
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                           str(free_port()), str(tmp_path / "clip.py"), REPO], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["host_dtensors"] and "gloo" in result["backend"]
+    assert result["total"] == pytest.approx(result["whole"], rel=1e-5) and result["whole"] > 1
+    assert result["clipped"] == pytest.approx(1.0, rel=1e-5)
