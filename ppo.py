@@ -75,7 +75,7 @@ from infra.distributed import fsdp_from_launcher, make_accelerator, max_over_pro
 from infra.layouts import batch_layout
 from infra.metrics import check_loggers, console_line, reduce_metrics, sample_table, sum_over_processes, timed
 from infra.models import check_model_folders, load_models, policy_tokenizer
-from infra.optim import make_optimizer, train_step
+from infra.optim import make_optimizer, StopAtMicroBatch, train_step
 from infra.runs import Interrupted, save_checkpoint, skipped_steps_error, start_run, StopSignal
 from infra.train_state import keep_best, resume, save_final, TrainState
 from infra.trunk import plan_trunk
@@ -322,8 +322,10 @@ def main(cfg: config.Config):
     policy, ref, critic = load_models(cfg, accelerator, fsdp, fwd, with_critic=needs_critic)
     actor_opt, actor_sched = make_optimizer(policy, cfg.actor.optim, t.total_steps)
     critic_opt, critic_sched = make_optimizer(critic, cfg.critic.optim, t.total_steps) if critic else (None, None)
-    # SIGTERM or Ctrl-C from here on ends a step with a checkpoint (a hung reward call delays it ≤ reward.timeout_s)
+    # SIGTERM or Ctrl-C from here on ends a step with a checkpoint (a hung reward call delays it ≤ reward.timeout_s);
+    # step 7 stops at its next micro-batch (train_step), its later updates, the sync and validation skipped
     stop_signal = StopSignal(verbose=accelerator.is_main_process)
+    cut = StopAtMicroBatch(functools.partial(stop_signal.received, accelerator))
     scorer = Scorer(cfg.reward, device, dtype, trust_remote_code=cfg.model.trust_remote_code, stop=stop_signal)
 
     # ---- state, resume
@@ -419,8 +421,9 @@ def main(cfg: config.Config):
                         # one optimiser step: loss.backward() per micro-batch, gradients averaged over processes,
                         # clipped over every shard, optimizer.step() unless non-finite
                         loss_fn = functools.partial(u.loss, u.model, counts=counts)
-                        grad_norm, losses = train_step(u.model, u.optimizer, micro_batches, loss_fn, u.max_grad_norm)
-                    state.skipped += grad_norm is None
+                        grad_norm, losses = train_step(u.model, u.optimizer, micro_batches, loss_fn, u.max_grad_norm,
+                                                       stop=cut)
+                    state.skipped += grad_norm is None and not cut.signum
                     if grad_norm is not None:  # a skipped step has none
                         stats[f"{u.name}/grad_norm"].append(grad_norm)
                     for key, values in losses.items():
@@ -430,7 +433,7 @@ def main(cfg: config.Config):
             u.scheduler.step()
 
         # ---- 8. sync rollout weights: the next batch must come from the updated policy
-        if update_actor:
+        if update_actor and not cut.signum:
             with timed(times, "time/sync_s"):
                 rollout.sync_weights(policy)
 
@@ -455,7 +458,8 @@ def main(cfg: config.Config):
             print0("warning: " + warning)
 
         # validate (every test_freq steps, and at the end however it comes), keep the best, roll back, and log
-        if val_rows and ((t.test_freq and step % t.test_freq == 0) or step == t.total_steps or stop_reason):
+        if val_rows and not cut.signum and ((t.test_freq and step % t.test_freq == 0) or step == t.total_steps
+                                            or stop_reason):
             val_metrics = validate(cfg, rollout, tokenizer, scorer, val_rows, accelerator)
             metrics.update(val_metrics)
             if t.best_metric and (rollback := keep_best(accelerator, cfg, val_metrics, state, checkpointed)):
@@ -476,8 +480,8 @@ def main(cfg: config.Config):
         if (t.save_freq and step % t.save_freq == 0) or step == t.total_steps or stop_reason or signum:
             save_checkpoint(accelerator, t.output_dir, step, t.keep_checkpoints, checkpointed, state.state_dict())
         if signum:
-            print0(f"stopped by {signal.Signals(signum).name} after step {step}, checkpoint saved; run the same "
-                   f"command again to resume")
+            print0(f"stopped by {signal.Signals(signum).name} after step {step}, checkpoint saved"
+                   f"{' (its updates cut short at a micro-batch)' * bool(cut.signum)}; run the same command to resume")
             logger.close()
             sys.exit(128 + signum)
         if stop_reason:

@@ -58,3 +58,25 @@ def test_train_step_applies_the_clipped_gradient():
                               lambda share: ((coef * w).sum() * share, {}), 0.5)
     assert grad_norm == pytest.approx(5.0)
     assert w.detach().tolist() == pytest.approx([-0.3, -0.4])
+
+
+def test_a_stop_signal_ends_train_step_at_the_next_micro_batch_and_applies_nothing():
+    """The signal arrives during the first of three micro-batches: train_step asks before each, so the second one
+    never runs, the gradient accumulated so far is dropped and the weights stay; it returns no grad norm. Once the
+    signal is known, a later train_step returns before any micro-batch without asking again (issue 29: torchrun's
+    30 s do not wait for the rest of a step)."""
+    from infra.optim import StopAtMicroBatch
+    asked, ran = [], []
+    cut = StopAtMicroBatch(lambda: asked.append(1) or (15 if ran else 0))  # SIGTERM once a micro-batch has run
+    model = torch.nn.Module()
+    model.w = w = torch.nn.Parameter(torch.ones(2))
+
+    def loss_fn(mb):
+        ran.append(mb)
+        return (w * mb).sum(), {"m": float(mb)}
+    optimizer = torch.optim.SGD([w], lr=1.0)
+    assert train_step(model, optimizer, [1.0, 2.0, 3.0], loss_fn, 1e9, stop=cut) == (None, {"m": [1.0]})
+    assert ran == [1.0] and len(asked) == 2 and cut.signum == 15
+    assert w.grad is None and w.detach().tolist() == [1.0, 1.0]
+    assert train_step(model, optimizer, [1.0], loss_fn, 1e9, stop=cut) == (None, {})
+    assert ran == [1.0] and len(asked) == 2
