@@ -203,12 +203,20 @@ def _tensors(models: dict) -> dict:
     optimiser's state under `<name>.optim.`. Non-tensor optimiser entries (lr, betas …) come from the config."""
 
     options = StateDictOptions(ignore_frozen_params=True, flatten_optimizer_state_dict=True)
-    out = {}
+    out, seen = {}, set()
     for name, (model, optimizer) in models.items():
-        out.update({f"{name}.{k}": v for k, v in get_model_state_dict(model, options=options).items()})
+        tensors = {f"{name}.{k}": v for k, v in get_model_state_dict(model, options=options).items()}
         if optimizer is not None:
             state = get_optimizer_state_dict(model, optimizer, options=options)
-            out.update({f"{name}.optim.{k}": v for k, v in state.items() if isinstance(v, torch.Tensor)})
+            tensors.update({f"{name}.optim.{k}": v for k, v in state.items() if isinstance(v, torch.Tensor)})
+        for key, value in tensors.items():
+            # A tied weight (Qwen2.5-0.5B's lm_head is its embed_tokens) comes under two names: safetensors refuses to
+            # write one storage twice (issue 29, bench/save_time.py), and loading the first fills both.
+            local = value.to_local() if isinstance(value, DTensor) else value
+            where = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape))
+            if local.numel() == 0 or where not in seen:
+                out[key] = value
+                seen.add(where)
     return out
 
 

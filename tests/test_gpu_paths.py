@@ -373,3 +373,31 @@ def test_clip_grad_norm_over_offloaded_host_gradients_on_two_processes(tmp_path)
     assert result["host_dtensors"] and "gloo" in result["backend"]
     assert result["total"] == pytest.approx(result["whole"], rel=1e-5) and result["whole"] > 1
     assert result["clipped"] == pytest.approx(1.0, rel=1e-5)
+
+
+def test_a_fully_trained_model_with_tied_embeddings_is_checkpointed_and_restored(tmp_path):
+    """A full fine-tune of a model whose head is its token embedding (Qwen2.5-0.5B, the PPO example): the checkpoint
+    holds the shared weight once (safetensors refused to write it under both names, so the example's first save
+    failed: issue 29), and restoring it into a fresh model gives back the weights, the tie and AdamW's moments."""
+    from transformers import AutoModelForCausalLM
+
+    from conftest import make_tiny_model
+    from infra.distributed import load_training_state, save_training_state
+    path = make_tiny_model(tmp_path / "model", arch="qwen2", tied=True)
+
+    def trained(seed):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        torch.manual_seed(seed)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model(input_ids=torch.randint(0, 50, (2, 6))).logits.pow(2).mean().backward()
+        optimizer.step()
+        return model, optimizer
+    model, optimizer = trained(1)
+    (tmp_path / "ckpt").mkdir()
+    save_training_state(str(tmp_path / "ckpt"), {"policy": (model, optimizer)}, {"step": 1})
+    other, other_opt = trained(2)
+    assert load_training_state(str(tmp_path / "ckpt"), {"policy": (other, other_opt)}) == {"step": 1}
+    assert other.lm_head.weight is other.model.embed_tokens.weight
+    for a, b in zip(model.parameters(), other.parameters()):
+        assert torch.equal(a, b)
+        assert torch.equal(optimizer.state[a]["exp_avg"], other_opt.state[b]["exp_avg"])
