@@ -202,21 +202,25 @@ def _tensors(models: dict) -> dict:
     """{name: (model, optimizer or None)} → one flat dict of every tensor to save: trainable weights, and the
     optimiser's state under `<name>.optim.`. Non-tensor optimiser entries (lr, betas …) come from the config."""
 
+    def where(t):  # a tensor's memory: tied weights share it
+        local = t.to_local() if isinstance(t, DTensor) else t
+        return (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape)) if local.numel() else id(t)
+
     options = StateDictOptions(ignore_frozen_params=True, flatten_optimizer_state_dict=True)
-    out, seen = {}, set()
+    out = {}
     for name, (model, optimizer) in models.items():
         tensors = {f"{name}.{k}": v for k, v in get_model_state_dict(model, options=options).items()}
         if optimizer is not None:
             state = get_optimizer_state_dict(model, optimizer, options=options)
             tensors.update({f"{name}.optim.{k}": v for k, v in state.items() if isinstance(v, torch.Tensor)})
+        # A tied weight (Qwen2.5's and SmolLM2's lm_head is their embed_tokens) comes under two names, the second one
+        # unfiltered by ignore_frozen_params: safetensors refuses one storage twice (a full fine-tune's first save
+        # failed), and a LoRA run saved its frozen embedding (issue 29, bench/save_time.py). Loading fills both.
+        seen = {where(p) for p in model.parameters() if not p.requires_grad}
         for key, value in tensors.items():
-            # A tied weight (Qwen2.5-0.5B's lm_head is its embed_tokens) comes under two names: safetensors refuses to
-            # write one storage twice (issue 29, bench/save_time.py), and loading the first fills both.
-            local = value.to_local() if isinstance(value, DTensor) else value
-            where = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape))
-            if local.numel() == 0 or where not in seen:
+            if where(value) not in seen:
                 out[key] = value
-                seen.add(where)
+                seen.add(where(value))
     return out
 
 
