@@ -5,6 +5,7 @@
     accelerate launch ppo.py --config recipes/dapo.yaml                     # a recipe: its changes to the defaults
     accelerate launch --config_file accelerate_configs/ddp_cpu.yaml --num_processes 2 ppo.py --config configs.yaml
     accelerate launch --config_file accelerate_configs/fsdp2.yaml --num_processes 2 ppo.py --config configs.yaml
+    WORLD_SIZE=2 python ppo.py --check --config configs.yaml                # the checks for 2 processes, no model
     python ppo.py --help                                                    # every config key
 
 Each step: 1. sample prompts, 2. generate, 3. score, 4. old/ref logprobs and values,

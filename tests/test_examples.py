@@ -100,7 +100,8 @@ def test_recipe_runs_one_step_with_its_own_overrides(tiny, tmp_path, script):
 
 # ---- every documented launch line, through --check with its own process count (issue 29)
 
-COMMAND = re.compile(r"(?:[A-Z_]+=\S+ )*(?:accelerate launch|bash examples/\S+\.sh|sbatch)(?: [^#\n]*)?")
+COMMAND = re.compile(r"(?:[A-Z_]+=\S+ )*(?:accelerate launch|python (?:ppo|reward_model)\.py --check|"
+                     r"bash examples/\S+\.sh|sbatch)(?: [^#\n]*)?")
 FAKE_LAUNCH = 'accelerate() { printf "%s\\n" "$@" > "$LAUNCH_ARGS"; }; export -f accelerate\n'
 
 
@@ -134,6 +135,8 @@ def accelerate_args(command: str, tmp_path) -> list[str]:
         env[key] = value
     if words[0] == "accelerate":
         return words[1:]
+    if words[0] == "python":  # `WORLD_SIZE=N python ppo.py --check …`: N processes
+        return ["--num_processes", env.get("WORLD_SIZE", "1"), *words[1:]]
     out = tmp_path / "launch_args"
     out.unlink(missing_ok=True)
     env.update(LAUNCH_ARGS=str(out), GSM8K_DATA=str(tmp_path / "gsm8k"), PATH=f"{tmp_path / 'bin'}:{env['PATH']}")
