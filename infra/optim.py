@@ -1,5 +1,6 @@
 """The optimiser step and its schedule: AdamW, linear warmup then cosine, and `train_step` (accumulate over the
-micro-batches, average over processes, clip over every shard, skip a non-finite step, apply)."""
+micro-batches, average over processes, clip over every shard, skip a non-finite step, apply; or stop at a micro-batch
+boundary on a stop signal, StopAtMicroBatch)."""
 import math
 from contextlib import contextmanager, nullcontext
 
