@@ -221,6 +221,41 @@ def load_preferences(path: str) -> tuple[list[dict], dict]:
 
 
 # ---- writing
+def render(prompt, response: str, tokenizer) -> str:
+    """One conversation as text, the reward model's input in training and in PPO alike: the chat template over
+    [prompt…, assistant: response]; a text prompt is one user turn, an empty one means the response is a whole
+    conversation (HH-RLHF), and without a template the text is prompt + response."""
+    if isinstance(prompt, str) and prompt == "":
+        return response
+    if tokenizer.chat_template is None:
+        if not isinstance(prompt, str):
+            raise DataError("the prompt is a list of chat messages but the reward model's tokenizer has no "
+                                 "chat_template; use a tokenizer with one or store prompts as text")
+        return prompt + response
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    return tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": response}], tokenize=False)
+
+
+def load_pairs(path: str, tokenizer, max_length: int, overlong: str, use_margin: bool):
+    """Preference pairs read, rendered and tokenised → [(chosen_ids, rejected_ids, margin, kind)] (margin 0 unless
+    use_margin), and stats: how many pairs were identical (dropped), truncated, too long (dropped); reward_model.py's docstring, 3."""
+    rows, stats = load_preferences(path)
+    texts = [render(r["prompt"], r[k], tokenizer) for r in rows for k in ("chosen", "rejected")]
+    ids = tokenize_prompts(texts, tokenizer)  # the template's special tokens, no extra BOS
+    pairs, truncated, dropped = [], 0, 0
+    for row, chosen, rejected in zip(rows, ids[0::2], ids[1::2]):
+        if max(len(chosen), len(rejected)) > max_length:
+            if overlong == "drop":
+                dropped += 1
+                continue
+            chosen, rejected, truncated = chosen[-max_length:], rejected[-max_length:], truncated + 1
+        pairs.append((chosen, rejected, row["margin"] if use_margin else 0.0, row.get("kind")))
+    if not pairs:
+        raise DataError(f"{path}: all {len(rows)} pairs are longer than reward_model.max_length={max_length}; "
+                             f"raise it or set reward_model.overlong=truncate")
+    return pairs, {**stats, "truncated": truncated, "overlong_dropped": dropped, "used": len(pairs)}
+
+
 def write_parquet(rows: list[dict], path: str) -> None:
     """Write rows to `path` atomically: a temporary name first, then os.replace. A key missing from some
     rows is null there (pa.Table.from_pylist alone would keep only the first row's keys)."""

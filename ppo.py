@@ -5,6 +5,7 @@
     accelerate launch ppo.py --config recipes/dapo.yaml                     # a recipe: its changes to the defaults
     accelerate launch --config_file accelerate_configs/ddp_cpu.yaml --num_processes 2 ppo.py --config configs.yaml
     accelerate launch --config_file accelerate_configs/fsdp2.yaml --num_processes 2 ppo.py --config configs.yaml
+    WORLD_SIZE=2 python ppo.py --check --config configs.yaml                # the checks for 2 processes, no model
     python ppo.py --help                                                    # every config key
 
 Each step: 1. sample prompts, 2. generate, 3. score, 4. old/ref logprobs and values,
@@ -51,6 +52,7 @@ The batch, a dict of tensors with one row per sequence, filled step by step (mic
 """
 import dataclasses
 import functools
+import os
 import signal
 import sys
 import time
@@ -59,7 +61,6 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
-from accelerate import Accelerator
 from accelerate.utils import set_seed
 from accelerate.utils import extract_model_from_parallel as unwrap_model
 from tqdm import tqdm
@@ -71,14 +72,14 @@ import kl
 from advantages import COMPARES_SAMPLES, masked_mean, NEEDS_CRITIC
 from critic import explained_variance, value_loss
 from infra import cli, config
-from infra.batches import autocast_dtype, Forward, micro_batch, per_token_pass, split_micro
-from infra.checks import check_combinations, check_sizes, rejection_band
+from infra.batches import autocast_dtype, Forward, micro_batch, per_token_pass, resolve_dtype, split_micro
+from infra.checks import check_combinations, check_sizes, rejection_band, Sizes
 from infra.config import ConfigError
-from infra.distributed import fsdp_from_launcher, max_over_processes, use_cpu
+from infra.distributed import fsdp_from_launcher, make_accelerator, max_over_processes, use_cpu
 from infra.layouts import batch_layout
 from infra.metrics import check_loggers, console_line, reduce_metrics, sample_table, sum_over_processes, timed
 from infra.models import check_model_folders, check_teacher, load_models, load_teacher, policy_tokenizer
-from infra.optim import make_optimizer, train_step
+from infra.optim import make_optimizer, StopAtMicroBatch, train_step
 from infra.runs import Interrupted, save_checkpoint, skipped_steps_error, start_run, StopSignal
 from infra.train_state import keep_best, resume, save_final, TrainState
 from infra.trunk import plan_trunk
@@ -303,44 +304,64 @@ def policy_loss_mask(batch: dict, truncated, cfg) -> tuple[torch.Tensor, dict]:
     return loss_mask, metrics
 
 
-def check_inputs(cfg, needs_critic: bool) -> None:
-    """Before any model loads: the model folders (and the critic's, when there is one), the teacher's with its
-    vocabulary, each reward source's inputs, and the loggers' packages."""
+@dataclass(frozen=True)
+class Inputs:
+    """What check_inputs reads: the policy's tokenizer, the prompts, and the batch sizes they were checked for."""
+    tokenizer: object
+    train_rows: list
+    val_rows: list
+    sizes: Sizes
+
+
+def check_inputs(cfg, num_processes: int, print0=print) -> Inputs:
+    """Everything before a model loads, for `num_processes` processes: the tables' names, the model folders (the
+    critic's too, when there is one), the teacher's with its vocabulary, each reward source's inputs, the loggers'
+    packages, the launcher's FSDP settings, the prompts (a rule's rows must have a ground truth), the batch sizes and
+    trainer.best_metric; `ppo.py --check` stops here."""
+    check_names(cfg)
+    needs_critic = cfg.algorithm.adv_estimator in NEEDS_CRITIC
     check_model_folders(cfg.model, (cfg.critic.model_path or cfg.model.path) if needs_critic else None)
     check_teacher(cfg.algorithm.teacher, cfg.model)
     check_reward_inputs(cfg.reward, cfg.model.trust_remote_code)
     check_loggers(cfg.trainer.logger, "trainer.logger")
+    fsdp_from_launcher()
+    tokenizer = policy_tokenizer(cfg.model)
+    train_rows, val_rows = load_prompts(cfg.data, tokenizer, print0,
+                                        rule_of=functools.partial(rule_needing_truth, cfg_reward=cfg.reward))
+    sizes = check_sizes(cfg, num_processes, len(train_rows))
+    check_data_sources({r["data_source"] for r in train_rows + val_rows}, cfg.reward)  # each has a rule
+    check_best_metric(cfg, {r["data_source"] for r in val_rows}, agent.agent_metrics([]))  # validation logs it
+    agent.check_multi_turn(cfg.rollout, tokenizer)  # multi-turn: the tools import, the template writes their answers
+    return Inputs(tokenizer, train_rows, val_rows, sizes)
 
 
-def check_data(cfg, train_rows: list, val_rows: list) -> None:
-    """Once the data is read, before any model loads: every data_source has a rule (or a reward that needs none), and
-    trainer.best_metric is a name this run's validation logs."""
-    check_data_sources({r["data_source"] for r in train_rows + val_rows}, cfg.reward)
-    check_best_metric(cfg, {r["data_source"] for r in val_rows}, agent.agent_metrics([]))
+def check_only(cfg, num_processes: int) -> str:
+    """`ppo.py --check`: check_inputs, then one line of what a run would do; no model is loaded."""
+    print0 = print if os.environ.get("RANK", "0") == "0" else (lambda *args, **kwargs: None)
+    cfg = resolve_dtype(cfg, torch.device("cpu" if use_cpu() else "cuda"), print0)
+    s = check_inputs(cfg, num_processes, print0).sizes
+    return (f"{num_processes} process(es), each a step: {s.prompts} prompts × {cfg.rollout.n} = {s.batch} sequences, "
+            f"{s.num_mini} mini-batch(es) of {s.mini}, micro-batches of {s.actor_micro} (actor) and {s.critic_micro} "
+            f"(critic); the inputs are there; no model loaded")
 
 
 def main(cfg: config.Config):
     check_names(cfg)
     needs_critic = cfg.algorithm.adv_estimator in NEEDS_CRITIC
-    accelerator = Accelerator(cpu=use_cpu())  # on a CPU, launched processes join over gloo
+    accelerator = make_accelerator()  # the device, and the launched processes' group (infra/distributed.py)
     print0 = functools.partial(accelerator.print, flush=True)  # rank 0 only; flushed even into a pipe
+    cfg = resolve_dtype(cfg, accelerator.device, print0)  # model.dtype=auto → bf16 or fp32 here, saying why
     # before anything loads: output_dir is this run's alone, a checkpoint fits this config, the inputs exist
     lock, resume_from, finished = start_run(accelerator, cfg, "trainer",  # the lock is held until the process ends
                                             unused=frozenset() if needs_critic else frozenset({"critic.model_path"}))
     if finished:
         return None
-    check_inputs(cfg, needs_critic)
+    # ---- inputs and data: prompts tokenised once, sizes checked, before any model is loaded
+    inputs = check_inputs(cfg, accelerator.num_processes, print0)
+    tokenizer, train_rows, val_rows, sizes = inputs.tokenizer, inputs.train_rows, inputs.val_rows, inputs.sizes
     set_seed(cfg.trainer.seed)
     t, alg, device, dtype = cfg.trainer, cfg.algorithm, accelerator.device, autocast_dtype(cfg.model.dtype)
     fsdp = fsdp_from_launcher(dtype)  # FSDP2 settings of an accelerate config file, or None
-    tokenizer = policy_tokenizer(cfg.model)
-
-    # ---- data: prompts tokenised once, sizes checked before any model is loaded
-    train_rows, val_rows = load_prompts(cfg.data, tokenizer, print0,  # a rule's rows must have a ground truth
-                                        rule_of=functools.partial(rule_needing_truth, cfg_reward=cfg.reward))
-    sizes = check_sizes(cfg, accelerator.num_processes, len(train_rows))
-    check_data(cfg, train_rows, val_rows)  # each data_source has a rule, trainer.best_metric is one validation logs
-    agent.check_multi_turn(cfg.rollout, tokenizer)  # multi-turn: the tools import, the template writes their answers
 
     # ---- models (infra/models.py builds them all): actor, reference, critic; optimisers after sharding
     fwd = Forward(cfg.rollout.temperature or 1.0, dtype, batch_layout(cfg.model, sharded=fsdp is not None),
@@ -349,9 +370,11 @@ def main(cfg: config.Config):
     teacher = load_teacher(cfg, accelerator, fsdp, fwd)  # on-policy distillation's (algorithm.teacher), or None
     actor_opt, actor_sched = make_optimizer(policy, cfg.actor.optim, t.total_steps)
     critic_opt, critic_sched = make_optimizer(critic, cfg.critic.optim, t.total_steps) if critic else (None, None)
-    # SIGTERM or Ctrl-C from here on ends a step with a checkpoint (a hung reward call delays it ≤ reward.timeout_s)
+    # SIGTERM or Ctrl-C from here on ends a step with a checkpoint (a hung reward call delays it ≤ reward.timeout_s);
+    # step 7 stops at its next micro-batch (train_step), its later updates, the sync and validation skipped
     stop_signal = StopSignal(verbose=accelerator.is_main_process)
     scorer = Scorer.from_config(cfg, device, tokenizer, stop_signal)  # reward.sources, weighted
+    cut = StopAtMicroBatch(functools.partial(stop_signal.received, accelerator))
 
     # ---- state, resume
     state = TrainState(KLController(alg.kl_ctrl.type, alg.kl_ctrl.kl_coef, alg.kl_ctrl.target_kl,
@@ -448,8 +471,9 @@ def main(cfg: config.Config):
                         # one optimiser step: loss.backward() per micro-batch, gradients averaged over processes,
                         # clipped over every shard, optimizer.step() unless non-finite
                         loss_fn = functools.partial(u.loss, u.model, counts=counts)
-                        grad_norm, losses = train_step(u.model, u.optimizer, micro_batches, loss_fn, u.max_grad_norm)
-                    state.skipped += grad_norm is None
+                        grad_norm, losses = train_step(u.model, u.optimizer, micro_batches, loss_fn, u.max_grad_norm,
+                                                       stop=cut)
+                    state.skipped += grad_norm is None and not cut.signum
                     if grad_norm is not None:  # a skipped step has none
                         stats[f"{u.name}/grad_norm"].append(grad_norm)
                     for key, values in losses.items():
@@ -459,7 +483,7 @@ def main(cfg: config.Config):
             u.scheduler.step()
 
         # ---- 8. sync rollout weights: the next batch must come from the updated policy
-        if update_actor:
+        if update_actor and not cut.signum:
             with timed(times, "time/sync_s"):
                 rollout.sync_weights(policy)
 
@@ -484,7 +508,8 @@ def main(cfg: config.Config):
             print0("warning: " + warning)
 
         # validate (every test_freq steps, and at the end however it comes), keep the best, roll back, and log
-        if val_rows and ((t.test_freq and step % t.test_freq == 0) or step == t.total_steps or stop_reason):
+        if val_rows and not cut.signum and ((t.test_freq and step % t.test_freq == 0) or step == t.total_steps
+                                            or stop_reason):
             val_metrics = validate(cfg, rollout, tokenizer, scorer, val_rows, accelerator)
             metrics.update(val_metrics)
             if t.best_metric and (rollback := keep_best(accelerator, cfg, val_metrics, state, checkpointed)):
@@ -503,8 +528,8 @@ def main(cfg: config.Config):
         if (t.save_freq and step % t.save_freq == 0) or step == t.total_steps or stop_reason or signum:
             save_checkpoint(accelerator, t.output_dir, step, t.keep_checkpoints, checkpointed, state.state_dict())
         if signum:
-            print0(f"stopped by {signal.Signals(signum).name} after step {step}, checkpoint saved; run the same "
-                   f"command again to resume")
+            print0(f"stopped by {signal.Signals(signum).name} after step {step}, checkpoint saved"
+                   f"{' (its updates cut short at a micro-batch)' * bool(cut.signum)}; run the same command to resume")
             logger.close()
             sys.exit(128 + signum)
         if stop_reason:
@@ -521,4 +546,4 @@ def main(cfg: config.Config):
 
 
 if __name__ == "__main__":
-    cli.run_script(main, __doc__, config.Config, "ppo.py")
+    cli.run_script(main, __doc__, config.Config, "ppo.py", check=check_only)

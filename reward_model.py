@@ -37,24 +37,24 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm import tqdm
 
-import data
+from data import load_pairs
 from infra import cli, config
 from infra.batches import autocast, autocast_dtype
 from infra.checks import exact_div
-from infra.distributed import distribute, fsdp_from_launcher, use_cpu
+from infra.distributed import distribute, fsdp_from_launcher, make_accelerator
 from infra.metrics import check_loggers, console_line, MetricsLogger, wandb_resume_id
 from infra.models import check_model_path, load_reward_classifier, load_tokenizer, save_pretrained_atomic
 from infra.optim import make_optimizer, restore_schedule, train_step
 from infra.runs import resume_or_start, save_checkpoint, skipped_steps_error, start_run, StopSignal
 from rollout import right_pad
-from scorers import RewardModel, render
+from scorers import RewardModel
 
 # ---------------------------------------------------------------------------------------
 # The loss (the network, RewardModel, is scorers.py's)
@@ -70,26 +70,6 @@ def bradley_terry_loss(r_chosen, r_rejected, margin, center_coef: float):
 
 # ---------------------------------------------------------------------------------------
 # Text
-
-def load_pairs(path: str, tokenizer, max_length: int, overlong: str, use_margin: bool):
-    """Preference pairs read, rendered and tokenised → [(chosen_ids, rejected_ids, margin, kind)] (margin 0 unless
-    use_margin), and stats: how many pairs were identical (dropped), truncated, too long (dropped); see 3. above."""
-    rows, stats = data.load_preferences(path)
-    texts = [render(r["prompt"], r[k], tokenizer) for r in rows for k in ("chosen", "rejected")]
-    ids = data.tokenize_prompts(texts, tokenizer)  # the template's special tokens, no extra BOS
-    pairs, truncated, dropped = [], 0, 0
-    for row, chosen, rejected in zip(rows, ids[0::2], ids[1::2]):
-        if max(len(chosen), len(rejected)) > max_length:
-            if overlong == "drop":
-                dropped += 1
-                continue
-            chosen, rejected, truncated = chosen[-max_length:], rejected[-max_length:], truncated + 1
-        pairs.append((chosen, rejected, row["margin"] if use_margin else 0.0, row.get("kind")))
-    if not pairs:
-        raise data.DataError(f"{path}: all {len(rows)} pairs are longer than reward_model.max_length={max_length}; "
-                             f"raise it or set reward_model.overlong=truncate")
-    return pairs, {**stats, "truncated": truncated, "overlong_dropped": dropped, "used": len(pairs)}
-
 
 def score_pairs(model, pairs, pad_id: int, device, dtype):
     """Chosen and rejected in one forward → r_chosen, r_rejected, margin, each (B,)."""
@@ -159,28 +139,31 @@ def non_finite(model, stats: dict):
 # ---------------------------------------------------------------------------------------
 # Training
 
-def main(cfg: config.RewardModelStage):
+@dataclass(frozen=True)
+class Inputs:
+    """What check_inputs reads: the tokenizer, the pairs, and the sizes checked for the process count."""
+    tokenizer: object
+    train_pairs: list
+    val_pairs: list
+    local: int  # pairs per step on one process
+    micro: int  # pairs per forward/backward
+
+
+def check_inputs(cfg: config.RewardModelStage, num_processes: int, print0=print) -> Inputs:
+    """Everything before the model loads, for `num_processes` processes: no FSDP launcher, the loggers' packages,
+    the model and tokenizer folders, the pairs (tokenised once) and the batch sizes; `reward_model.py --check`
+    stops here."""
     rm = cfg.reward_model
-    accelerator = Accelerator(cpu=use_cpu())  # on a CPU, launched processes join over gloo
     if fsdp_from_launcher():
         raise config.ConfigError("reward_model.py trains on one process or with DDP (accelerate launch "
                                  "--num_processes N reward_model.py …), not under an FSDP config")
-    print0, device, dtype = accelerator.print, accelerator.device, autocast_dtype(rm.dtype)
-    set_seed(rm.seed)
     check_loggers(rm.logger, "reward_model.logger")
-    # before anything loads: output_dir is this run's alone, a checkpoint fits this config, the model exists
-    lock, resume_from, finished = start_run(accelerator, cfg, "reward_model")  # the lock is held until the process ends
-    if finished:
-        return
     tokenizer_key = "reward_model.tokenizer_path" if rm.tokenizer_path else "reward_model.model_path"
     check_model_path(rm.model_path, "reward_model.model_path", trust_remote_code=rm.trust_remote_code)
     check_model_path(rm.tokenizer_path or rm.model_path, tokenizer_key, need="tokenizer",
                      trust_remote_code=rm.trust_remote_code)
     tokenizer = load_tokenizer(rm.tokenizer_path or rm.model_path, tokenizer_key,
                                trust_remote_code=rm.trust_remote_code)
-    pad_id = tokenizer.pad_token_id
-
-    # ---- data: pairs tokenised once, sizes checked before the model is loaded
     train_pairs, stats = load_pairs(rm.train_files, tokenizer, rm.max_length, rm.overlong, rm.margin)
     print0(f"train pairs: {stats}")
     val_pairs = []
@@ -188,7 +171,7 @@ def main(cfg: config.RewardModelStage):
         val_pairs, stats = load_pairs(rm.val_files, tokenizer, rm.max_length, rm.overlong, rm.margin)
         val_pairs = val_pairs[:rm.val_max_pairs or None]
         print0(f"val pairs: {stats}, using {len(val_pairs)}")
-    local = exact_div(rm.batch_size, accelerator.num_processes, "reward_model.batch_size (pairs) across processes")
+    local = exact_div(rm.batch_size, num_processes, "reward_model.batch_size (pairs) across processes")
     micro = min(rm.micro_batch_size_per_device, local)
     exact_div(local, micro, "pairs per step on one process by reward_model.micro_batch_size_per_device")
     if rm.batch_size > len(train_pairs):
@@ -196,6 +179,29 @@ def main(cfg: config.RewardModelStage):
                                  f"training pairs; lower it")
     print0(f"{rm.total_steps} steps of {rm.batch_size} pairs = {rm.total_steps * rm.batch_size / len(train_pairs):.2f} "
            f"epochs; {local // micro} micro-batches of {micro} pairs per process")
+    return Inputs(tokenizer, train_pairs, val_pairs, local, micro)
+
+
+def check_only(cfg: config.RewardModelStage, num_processes: int) -> str:
+    """`reward_model.py --check`: check_inputs, then one line; no model is loaded."""
+    checked = check_inputs(cfg, num_processes, print if os.environ.get("RANK", "0") == "0" else lambda *a: None)
+    return f"{num_processes} process(es), {checked.local} pairs each a step; the inputs are there; no model loaded"
+
+
+def main(cfg: config.RewardModelStage):
+    rm = cfg.reward_model
+    accelerator = make_accelerator()  # the device, and the launched processes' group (infra/distributed.py)
+    print0, device, dtype = accelerator.print, accelerator.device, autocast_dtype(rm.dtype)
+    set_seed(rm.seed)
+    # before anything loads: output_dir is this run's alone, a checkpoint fits this config, the model exists
+    lock, resume_from, finished = start_run(accelerator, cfg, "reward_model")  # the lock is held until the process ends
+    if finished:
+        return
+    # ---- inputs and data: pairs tokenised once, sizes checked before the model is loaded
+    inputs = check_inputs(cfg, accelerator.num_processes, print0)
+    tokenizer, train_pairs, val_pairs, local, micro = (inputs.tokenizer, inputs.train_pairs, inputs.val_pairs,
+                                                       inputs.local, inputs.micro)
+    pad_id = tokenizer.pad_token_id
 
     # ---- model, optimiser, state, resume
     model = RewardModel(load_reward_classifier(rm.model_path, pad_id, lora=rm, trust_remote_code=rm.trust_remote_code))
@@ -285,4 +291,4 @@ def main(cfg: config.RewardModelStage):
 
 
 if __name__ == "__main__":
-    cli.run_script(main, __doc__, config.RewardModelStage, "reward_model.py")
+    cli.run_script(main, __doc__, config.RewardModelStage, "reward_model.py", check=check_only)

@@ -17,7 +17,6 @@ solution_str where each step ends: r_k then lands on the response token whose te
 What every scorer returns (scorers.py holds the scorers, each one line of scorers.SCORERS) is a `Scores`.
 """
 import asyncio
-import functools
 import inspect
 import math
 import numbers

@@ -268,6 +268,8 @@ class VLLMRollout:
         distributed = torch.distributed.is_initialized() and "RANK" in os.environ
         self.rank = torch.distributed.get_rank() if distributed else 0
         backend = "external_launcher" if distributed else None
+        if torch.cuda.is_available():  # vLLM's start-up check counts torch's cached, unused blocks as taken (issue 29)
+            torch.cuda.empty_cache()
         # In this process vLLM reseeds the global random, numpy and torch generators with trainer.seed.
         self.llm = LLM(model=cfg.model.path, tokenizer=cfg.model.tokenizer_path or cfg.model.path,
                        dtype=self.dtype, seed=cfg.trainer.seed, enforce_eager=cfg.rollout.enforce_eager,

@@ -11,7 +11,7 @@ extra_info; with multi-turn the conversation), texts the decoded responses and r
 line of CHECKS. Adding a scorer: one class (or function) and one line in SCORERS; README.md ("Configuring, data,
 rewards") has a worked example.
 
-The reward model's network (RewardModel, render) is here as well: reward_model.py trains it, this file scores with it,
+The reward model's network (RewardModel) is here as well: reward_model.py trains it, this file scores with it,
 so that nothing ppo.py imports is the training script.
 """
 import json
@@ -142,21 +142,6 @@ class RewardModel(torch.nn.Module):
         return model.score(last).squeeze(-1).float()  # (B,)
 
 
-def render(prompt, response: str, tokenizer) -> str:
-    """One conversation as text, the reward model's input in training and in PPO alike: the chat template over
-    [prompt…, assistant: response]; a text prompt is one user turn, an empty one means the response is a whole
-    conversation (HH-RLHF), and without a template the text is prompt + response."""
-    if isinstance(prompt, str) and prompt == "":
-        return response
-    if tokenizer.chat_template is None:
-        if not isinstance(prompt, str):
-            raise data.DataError("the prompt is a list of chat messages but the reward model's tokenizer has no "
-                                 "chat_template; use a tokenizer with one or store prompts as text")
-        return prompt + response
-    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-    return tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": response}], tokenize=False)
-
-
 class RewardModelScorer:
     """Scores raw (prompt, response) pairs with a folder written by reward_model.py, rendered with its own
     tokenizer exactly as in training; micro-batched, no grad, eval mode.
@@ -196,7 +181,7 @@ class RewardModelScorer:
     @torch.no_grad()
     def score(self, prompts: list, responses: list[str]) -> torch.Tensor:
         """prompts (text or chat messages, as stored) and decoded responses → scores (B,) on `device`."""
-        texts = [render(p, r, self.tokenizer) for p, r in zip(prompts, responses, strict=True)]
+        texts = [data.render(p, r, self.tokenizer) for p, r in zip(prompts, responses, strict=True)]
         if not texts:
             return torch.zeros(0, device=self.device)
         ids = data.tokenize_prompts(texts, self.tokenizer)

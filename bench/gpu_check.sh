@@ -6,6 +6,9 @@
 #
 #   bash bench/gpu_check.sh                   # on the GPU machine, from the repository root
 #   GPU_CHECK_DRY=1 bash bench/gpu_check.sh   # anywhere: the stages, their caps and the total; runs nothing
+#   GPU_CHECK_CPU=1 bash bench/gpu_check.sh   # anywhere: the same code on the CPU, tiny models, up to the device
+#                                             # boundary (gloo for nccl, the vLLM stage SKIP before its engine)
+#   GPU_CHECK_STAGES="setup build half-lora" bash bench/gpu_check.sh   # these stages only; the others SKIP
 #   PY=/path/to/python3 bash bench/gpu_check.sh
 #
 # It installs and downloads nothing (HF_HUB_OFFLINE=1): it runs on the machine's python3 with torch (CUDA),
@@ -17,6 +20,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 SELF=bench/gpu_check.sh
 BUDGET_S=480
+CPU_SLOWER=4  # GPU_CHECK_CPU=1: every cap and the budget × 4
 RESERVE_S=30  # between stages: the GPU memory probe, reaping, the next stage's start; and the report at the end
 STAGES=(setup:25 build:40 fsdp2:50 resume:45 packing:40 half-full:85 half-lora:60 offload:45 vllm:60)
 declare -A ABOUT=(
@@ -33,6 +37,9 @@ declare -A ABOUT=(
 declare -A NEEDS=([build]="setup" [fsdp2]="build" [resume]="fsdp2" [packing]="setup" [half-full]="build"
                   [half-lora]="build" [offload]="build" [vllm]="build")
 
+export GPU_CHECK_CPU=${GPU_CHECK_CPU:-}
+[ -n "$GPU_CHECK_CPU" ] && export CUDA_VISIBLE_DEVICES=""  # the CPU, even on a GPU machine
+BACKEND=$([ -n "$GPU_CHECK_CPU" ] && echo gloo || echo nccl)
 export PY=${PY:-$([ -x .venv/bin/python ] && echo .venv/bin/python || command -v python3)}
 export WORK=${WORK:-/tmp/gpu_check}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
@@ -49,6 +56,9 @@ GAE_FULL=(algorithm.adv_estimator=gae model.lora_rank=0 critic.lora_rank=0 algor
 HALF_ARGS=("${COMMON[@]}" model.path=$HALF model.dtype=bf16 model.use_remove_padding=true rollout.max_response_length=128
            rollout.ignore_eos=true rollout.temperature=1.0 rollout.micro_batch_size=32 data.train_batch_size=8 rollout.n=4
            actor.ppo_mini_batch_size=4 trainer.save_freq=0)
+# on the CPU: the path, not the size (still two mini-batches, so that every pass of step 4 runs)
+[ -n "$GPU_CHECK_CPU" ] && HALF_ARGS+=(rollout.max_response_length=8 data.train_batch_size=4 rollout.n=2
+                                       actor.ppo_mini_batch_size=2)
 
 port() { echo $((20000 + RANDOM % 20000)); }
 
@@ -58,56 +68,80 @@ stage_setup() { "$PY" bench/gpu_check.py setup; }
 
 stage_build() { "$PY" bench/gpu_check.py build; }
 
+# What each ppo stage runs (bench/gpu_check.py's arguments) and the line its log must hold (grep -E): ppo_stage NAME
+# sets ARGS and SAYS. `bash bench/gpu_check.sh --args NAME` prints them (tests/test_gpu_paths.py reads them).
+ppo_stage() {
+  local fsdp_tiny=("${TINY_ARGS[@]}" "${GAE_FULL[@]}" model.dtype=fp32 trainer.total_steps=3 trainer.save_freq=2
+                   trainer.keep_checkpoints=5)
+  case $1 in
+    fsdp2) ARGS=(ppo fsdp2 "${fsdp_tiny[@]}" trainer.output_dir=$RUNS/fsdp2)
+           SAYS="parallel: fsdp2 over 1 processes \([^)]*$BACKEND[^)]*\); sharded: policy, critic, reference" ;;
+    resume) ARGS=(ppo resumed "${fsdp_tiny[@]}" trainer.output_dir=$RUNS/resumed)
+            SAYS="resumed from $RUNS/resumed/step_2 at step 2" ;;
+    half-full) ARGS=(ppo half-full --strict-packed --no-save "${HALF_ARGS[@]}" "${GAE_FULL[@]}" trainer.total_steps=3
+                     trainer.output_dir=$RUNS/half-full)
+               SAYS="" ;;
+    half-lora) ARGS=(ppo half-lora --strict-packed --no-save "${HALF_ARGS[@]}" algorithm.adv_estimator=grpo
+                     model.lora_rank=32 algorithm.use_kl_loss=true algorithm.use_kl_in_reward=false trainer.total_steps=2
+                     trainer.output_dir=$RUNS/half-lora)
+               SAYS="" ;;
+    offload) ARGS=(ppo offload "${TINY_ARGS[@]}" "${GAE_FULL[@]}" model.dtype=bf16 model.gradient_checkpointing=true
+                   trainer.total_steps=2 trainer.save_freq=0 trainer.output_dir=$RUNS/offload)
+             SAYS="offload_params=True, param_dtype=torch.bfloat16" ;;
+  esac
+  [ -n "$GPU_CHECK_CPU" ] && [[ $1 = half-* ]] && ARGS+=(trainer.total_steps=1)
+  return 0
+}
+
+# says WHAT: the stage's log holds the line SAYS, or FAIL saying WHAT did not happen
+says() { grep -qE "$SAYS" "$STAGE_LOG" || { echo "FAIL: $1"; return 1; }; }
+
 stage_fsdp2() {
-  "${LAUNCH[@]}" --main_process_port "$(port)" bench/gpu_check.py ppo fsdp2 "${TINY_ARGS[@]}" "${GAE_FULL[@]}" \
-    model.dtype=fp32 trainer.total_steps=3 trainer.save_freq=2 trainer.keep_checkpoints=5 trainer.output_dir=$RUNS/fsdp2 \
-    || return 1
-  grep -qE "parallel: fsdp2 over 1 processes \([^)]*nccl[^)]*\); sharded: policy, critic, reference" "$STAGE_LOG" \
-    || { echo "FAIL: ppo.py did not say it sharded policy, critic and reference over NCCL"; return 1; }
+  ppo_stage fsdp2
+  "${LAUNCH[@]}" --main_process_port "$(port)" bench/gpu_check.py "${ARGS[@]}" || return 1
+  says "ppo.py did not say it sharded policy, critic and reference over $BACKEND"
 }
 
 stage_resume() {
   [ -d "$RUNS/fsdp2/step_2" ] || { echo "SKIP: the fsdp2 stage left no step_2 checkpoint"; return 3; }
   mkdir -p "$RUNS/resumed" && cp -r "$RUNS/fsdp2/step_2" "$RUNS/resumed/"
-  "${LAUNCH[@]}" --main_process_port "$(port)" bench/gpu_check.py ppo resumed "${TINY_ARGS[@]}" "${GAE_FULL[@]}" \
-    model.dtype=fp32 trainer.total_steps=3 trainer.save_freq=2 trainer.keep_checkpoints=5 trainer.output_dir=$RUNS/resumed \
-    || return 1
-  grep -q "resumed from $RUNS/resumed/step_2 at step 2" "$STAGE_LOG" || { echo "FAIL: the run did not resume"; return 1; }
+  ppo_stage resume
+  "${LAUNCH[@]}" --main_process_port "$(port)" bench/gpu_check.py "${ARGS[@]}" || return 1
+  says "the run did not resume" || return 1
   "$PY" bench/gpu_check.py same-step "$RUNS/fsdp2" "$RUNS/resumed" 3
 }
 
 stage_packing() {
   "$PY" -m pytest -q -p no:cacheprovider tests/test_packing.py || return 1
-  if grep -q "skipped" "$STAGE_LOG"; then echo "FAIL: CUDA tests were skipped on a GPU machine"; return 1; fi
+  if [ -z "$GPU_CHECK_CPU" ] && grep -q "skipped" "$STAGE_LOG"; then
+    echo "FAIL: CUDA tests were skipped on a GPU machine"; return 1
+  fi
 }
 
-stage_half_full() {
-  "$PY" bench/gpu_check.py ppo half-full --strict-packed --no-save "${HALF_ARGS[@]}" "${GAE_FULL[@]}" \
-    trainer.total_steps=3 trainer.output_dir=$RUNS/half-full
-}
+stage_half_full() { ppo_stage half-full; "$PY" bench/gpu_check.py "${ARGS[@]}"; }
 
-stage_half_lora() {
-  "$PY" bench/gpu_check.py ppo half-lora --strict-packed --no-save "${HALF_ARGS[@]}" algorithm.adv_estimator=grpo \
-    model.lora_rank=32 algorithm.use_kl_loss=true algorithm.use_kl_in_reward=false trainer.total_steps=2 \
-    trainer.output_dir=$RUNS/half-lora
-}
+stage_half_lora() { ppo_stage half-lora; "$PY" bench/gpu_check.py "${ARGS[@]}"; }
 
 stage_offload() {
-  "${LAUNCH[@]}" --fsdp_offload_params true --main_process_port "$(port)" bench/gpu_check.py ppo offload \
-    "${TINY_ARGS[@]}" "${GAE_FULL[@]}" model.dtype=bf16 model.gradient_checkpointing=true trainer.total_steps=2 \
-    trainer.save_freq=0 trainer.output_dir=$RUNS/offload || return 1
-  grep -q "offload_params=True, param_dtype=torch.bfloat16" "$STAGE_LOG" \
-    || { echo "FAIL: ppo.py did not say it offloads parameters"; return 1; }
+  ppo_stage offload
+  "${LAUNCH[@]}" --fsdp_offload_params true --main_process_port "$(port)" bench/gpu_check.py "${ARGS[@]}" || return 1
+  says "ppo.py did not say it offloads parameters"
 }
 
 stage_vllm() {
-  "$PY" -c "import vllm" 2>/dev/null || { "$PY" bench/gpu_check.py vllm; return $?; }  # SKIP, with the reason
+  # without vLLM, or on the CPU: SKIP with the reason
+  "$PY" -c "import vllm" 2>/dev/null && [ -z "$GPU_CHECK_CPU" ] || { "$PY" bench/gpu_check.py vllm; return $?; }
   "$PY" -m torch.distributed.run --nproc-per-node 1 --master-port "$(port)" bench/gpu_check.py vllm
 }
 
 if [ "${1:-}" = --stage ]; then
   "stage_${2//-/_}"
   exit $?
+fi
+if [ "${1:-}" = --args ]; then  # a ppo stage's arguments, one a line, then the line its log must hold
+  ppo_stage "$2"
+  printf '%s\n' "${ARGS[@]}" "SAYS=$SAYS"
+  exit 0
 fi
 
 # ---- the runner
@@ -125,6 +159,7 @@ if [ -n "$DRY" ]; then
 fi
 if [ "$total" -gt "$BUDGET_S" ]; then echo "FAIL: the caps add up to $total s, more than $BUDGET_S s"; exit 1; fi
 
+[ -n "$GPU_CHECK_CPU" ] && BUDGET_S=$((BUDGET_S * CPU_SLOWER))  # the caps are a GPU's; a shared CPU is slower
 FIGURES=${OUT:+$OUT/gpu_check.json}
 FIGURES=${FIGURES:-bench/gpu_check.json}
 export BUDGET_S GPU_CHECK_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo '?')
@@ -152,6 +187,10 @@ record() {
 
 run_stage() {  # NAME CAP
   local name=$1 cap=$2 need reason="" limit
+  [ -n "$GPU_CHECK_CPU" ] && cap=$((cap * CPU_SLOWER))
+  if [ -n "${GPU_CHECK_STAGES:-}" ] && [[ " $GPU_CHECK_STAGES " != *" $name "* ]]; then
+    record "$name" SKIP 0 "$cap" "" "not in GPU_CHECK_STAGES"; return
+  fi
   for need in ${NEEDS[$name]:-}; do
     [ "${OUTCOME[$need]:-}" = PASS ] || reason="needs the $need stage, which did not pass"
   done

@@ -342,15 +342,24 @@ def save(cfg, path: str) -> None:
         yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
 
 
-def run_script(main, doc: str, root, name: str) -> None:
-    """`accelerate launch <name> --config FILE key=value …` → main(config). A user's mistake (a ConfigError,
+def run_script(main, doc: str, root, name: str, check=None) -> None:
+    """`accelerate launch <name> --config FILE key=value …` → main(config). With `--check`, check(config, processes)
+    instead: everything that comes before a model loads, for the process count the launcher gives (WORLD_SIZE;
+    `accelerate launch --num_processes 8 <name> --check …`, or WORLD_SIZE=8 python <name> --check …), then its one
+    line, exit 0. A user's mistake (a ConfigError,
     data.DataError among them) ends the run in one sentence, printed once, by rank 0; Ctrl-C while loading ends it
     quietly (130), a stop signal that could not wait for the end of a step (runs.Interrupted) with its sentence and
     128 + signum.
     A finished multi-process CPU run leaves without the interpreter's teardown (see the end)."""
-    rank0 = os.environ.get("RANK", "0") == "0"
+    rank0, argv = os.environ.get("RANK", "0") == "0", sys.argv[1:]
     try:
-        main(parse_args(sys.argv[1:], doc, root))
+        if check is not None and "--check" in argv:
+            line = check(parse_args([a for a in argv if a != "--check"], doc, root),
+                         int(os.environ.get("WORLD_SIZE", "1")))
+            if rank0:
+                print(f"{name} --check: {line}", flush=True)
+            return
+        main(parse_args(argv, doc, root))
     except ConfigError as e:
         sys.exit(f"{name}: {e}" if rank0 else 1)
     except KeyboardInterrupt as e:  # Ctrl-C while loading, or runs.Interrupted: a stop that could not wait

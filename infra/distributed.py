@@ -1,7 +1,7 @@
 """The device a run computes on, how models are spread over processes, and how a run's training state is saved and
 restored.
 
-    accelerator = Accelerator(cpu=use_cpu())      # ppo.py, reward_model.py: GPUs torch cannot use stop the run
+    accelerator = make_accelerator()      # ppo.py, reward_model.py: GPUs torch cannot use stop the run
 
     accelerate launch ppo.py ...                                          1 process
     accelerate launch --num_processes 2 ppo.py ...                        DDP: a replica per process
@@ -67,6 +67,28 @@ def use_cpu() -> bool:
                           f"install the CUDA build on this machine (make install DEVICE=cuda), or hide the GPUs to run "
                           f"on the CPU on purpose (CUDA_VISIBLE_DEVICES= accelerate launch …)")
     return True  # no GPU here
+
+
+def process_group_backend(cuda: bool) -> str:
+    """The process group's backends: on GPUs NCCL for device tensors and gloo for host ones. Under FSDP2's CPU offload
+    the gradients are host DTensors, and clip_grad_norm's full_tensor() all-reduces them: over NCCL alone, "No backend
+    type associated with device type cpu" at the first optimiser step (pytorch#148532; torchtune creates its group
+    the same way). On a CPU, gloo."""
+    return "cpu:gloo,cuda:nccl" if cuda else "cpu:gloo"
+
+
+def make_accelerator():
+    """accelerate's Accelerator on the device use_cpu() picks. Launched on GPUs, the process group is created here
+    first, with process_group_backend's two backends, and Accelerator joins it (accelerate 1.15 adds gloo itself only
+    when the launcher's FSDP_* variables ask for offload, not for a config that sets it otherwise). On a CPU
+    accelerate joins the launched processes over gloo itself."""
+    from accelerate import Accelerator
+
+    cpu = use_cpu()
+    if not cpu and "LOCAL_RANK" in os.environ and not torch.distributed.is_initialized():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        torch.distributed.init_process_group(process_group_backend(cuda=True))
+    return Accelerator(cpu=cpu)
 
 
 def max_over_processes(count: int) -> int:
@@ -180,13 +202,25 @@ def _tensors(models: dict) -> dict:
     """{name: (model, optimizer or None)} → one flat dict of every tensor to save: trainable weights, and the
     optimiser's state under `<name>.optim.`. Non-tensor optimiser entries (lr, betas …) come from the config."""
 
+    def where(t):  # a tensor's memory: tied weights share it
+        local = t.to_local() if isinstance(t, DTensor) else t
+        return (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape)) if local.numel() else id(t)
+
     options = StateDictOptions(ignore_frozen_params=True, flatten_optimizer_state_dict=True)
     out = {}
     for name, (model, optimizer) in models.items():
-        out.update({f"{name}.{k}": v for k, v in get_model_state_dict(model, options=options).items()})
+        tensors = {f"{name}.{k}": v for k, v in get_model_state_dict(model, options=options).items()}
         if optimizer is not None:
             state = get_optimizer_state_dict(model, optimizer, options=options)
-            out.update({f"{name}.optim.{k}": v for k, v in state.items() if isinstance(v, torch.Tensor)})
+            tensors.update({f"{name}.optim.{k}": v for k, v in state.items() if isinstance(v, torch.Tensor)})
+        # A tied weight (Qwen2.5's and SmolLM2's lm_head is their embed_tokens) comes under two names, the second one
+        # unfiltered by ignore_frozen_params: safetensors refuses one storage twice (a full fine-tune's first save
+        # failed), and a LoRA run saved its frozen embedding (issue 29, bench/save_time.py). Loading fills both.
+        seen = {where(p) for p in model.parameters() if not p.requires_grad}
+        for key, value in tensors.items():
+            if where(value) not in seen:
+                out[key] = value
+                seen.add(where(value))
     return out
 
 

@@ -1,5 +1,6 @@
 """The optimiser step and its schedule: AdamW, linear warmup then cosine, and `train_step` (accumulate over the
-micro-batches, average over processes, clip over every shard, skip a non-finite step, apply)."""
+micro-batches, average over processes, clip over every shard, skip a non-finite step, apply; or stop at a micro-batch
+boundary on a stop signal, StopAtMicroBatch)."""
 import math
 from contextlib import contextmanager, nullcontext
 
@@ -64,17 +65,35 @@ def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
     return total
 
 
-def train_step(model, optimizer, micro_batches: list, loss_fn, max_grad_norm: float):
+class StopAtMicroBatch:
+    """A stop signal acted on at train_step's next micro-batch boundary (issue 29): torchrun kills its workers 30 s
+    after SIGTERM, too soon to finish a real-size step and then save. `received()` (runs.StopSignal.received, a
+    collective) is asked before every micro-batch, so all processes stop at the same one; once it has answered, signum
+    holds the signal and every later train_step returns at once."""
+
+    def __init__(self, received):
+        self.received, self.signum = received, 0
+
+    def __call__(self) -> int:
+        self.signum = self.signum or self.received()
+        return self.signum
+
+
+def train_step(model, optimizer, micro_batches: list, loss_fn, max_grad_norm: float, stop=None):
     """One optimiser step: gradients accumulated over the micro-batches, averaged over processes (DDP: after the
     last one only; FSDP2: reduce-scattered after each, gradient_sync), clipped over every shard, then applied.
     loss_fn(mb) → (loss, metrics dict).
 
     A non-finite loss or gradient never reaches the weights: the step is skipped and its grad norm is None
-    (the same on every process, since the norm is taken after the gradients are averaged).
+    (the same on every process, since the norm is taken after the gradients are averaged). So does a stop signal
+    (`stop`: StopAtMicroBatch) seen before any micro-batch: the gradients accumulated so far are dropped.
     Returns (grad norm or None, {metric: [one value per micro-batch]}).
     """
     metrics = {}
     for i, mb in enumerate(micro_batches):
+        if stop is not None and stop():
+            optimizer.zero_grad(set_to_none=True)
+            return None, metrics
         with gradient_sync(model, enabled=i == len(micro_batches) - 1):
             loss, mb_metrics = loss_fn(mb)
             loss.backward()

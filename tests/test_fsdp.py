@@ -213,7 +213,8 @@ def test_slurm_script_starts_one_launcher_per_node(workdir, tmp_path):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(stat.S_IRWXU)
     env = dict(PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_NUM_NODES="2", SLURM_JOB_NODELIST="node[0-1]",
-               GPUS_PER_NODE="1", MAIN_PORT=str(free_port()), SLURM_SUBMIT_DIR=REPO, SRUN_LOG_DIR=str(tmp_path))
+               GPUS_PER_NODE="1", MAIN_PORT=str(free_port()), SLURM_SUBMIT_DIR=REPO, SRUN_LOG_DIR=str(tmp_path),
+               CONFIG="configs.yaml")  # the demo's sizes, not the real-size default
     if not os.path.exists(os.path.join(REPO, ".venv", "bin", "accelerate")):
         pytest.skip("slurm/ppo.sbatch runs .venv/bin/accelerate: `make install` first")
     out = tmp_path / "out"

@@ -15,7 +15,8 @@ from conftest import REPO, make_tiny_model, make_tokenizer, read_metrics
 
 import data
 from reward_model import bradley_terry_loss, load_pairs
-from scorers import last_token_index, RewardModel, RewardModelScorer, render
+from data import render
+from scorers import last_token_index, RewardModel, RewardModelScorer
 
 
 def write_pairs(path, n, seed=0, **extra_columns):
