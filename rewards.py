@@ -8,8 +8,10 @@ verl's code, search-tool and image routes are not built in: check_data_sources s
 
 A custom function is `reward.function=path/to/file.py:name`; verl reward files work unchanged, `async def` ones
 included. A function may return a number, or a dict with "score" and other numbers to log. It runs in a worker
-process of its own (infra/worker.py), each call limited to reward.timeout_s: a call that hangs, raises, calls
-sys.exit, or ends or kills the worker is an error for its sample (reward/errors), never the end of the run.
+pool of reward.max_concurrency worker processes (infra/worker.py), each call limited to reward.timeout_s and each
+batch to reward.max_timeouts timed-out calls: a call that hangs, raises, calls sys.exit, or ends or kills its worker
+is an error for its sample (reward/errors), never the end of the run; so is a score that is not finite or beyond
+±reward.max_abs_score.
 """
 import asyncio
 import functools
@@ -28,7 +30,7 @@ from infra.config import ConfigError
 from infra.metrics import reduce_metrics, sum_over_processes
 from infra.models import check_model_path
 from infra.runs import Interrupted
-from infra.worker import CallFailed, FunctionWorker, WorkerStartError
+from infra.worker import CallFailed, FunctionWorker, Pool, WorkerStartError
 from judge import check_judge, Judge
 from reward_rules import verl_prime_math, verl_rules
 from reward_rules.library import arithmetic_score, boxed_score, gsm8k_score
@@ -114,10 +116,11 @@ def check_reward_inputs(cfg_reward, trust_remote_code: bool = False) -> None:
         check_judge(cfg_reward.judge)
 
 
-def load_reward_function(spec, timeout_s: float, stop=None):
+def load_reward_function(spec, timeout_s: float, stop=None, pool: Pool = Pool()):
     """None → default_compute_score, called in this process; "path/to/file.py:name" (name defaults to
-    compute_score, as in verl) → a FunctionWorker running that function, each call limited to timeout_s (`stop`:
-    runs.StopSignal, so that a preempted run does not wait for a hung call longer than that)."""
+    compute_score, as in verl) → a FunctionWorker running that function in pool.max_concurrency processes, each call
+    limited to timeout_s and a batch to pool.max_timeouts timed-out calls (`stop`: runs.StopSignal, so that a
+    preempted run does not wait for a hung call longer than that)."""
     if not spec:
         return default_compute_score
     path, sep, name = spec.rpartition(":")
@@ -126,7 +129,7 @@ def load_reward_function(spec, timeout_s: float, stop=None):
     if not os.path.isfile(path):
         raise ConfigError(f"reward.function: file {path} does not exist (expected path/to/file.py:function_name)")
     try:
-        return FunctionWorker(path, name, timeout_s, stop)
+        return FunctionWorker(path, name, timeout_s, stop, pool)
     except WorkerStartError as e:
         raise ConfigError(f"reward.function: {e}") from None
 
@@ -135,9 +138,10 @@ class RewardError(ConfigError):
     """The reward function failed on every sample of a batch: training on would learn from zeros."""
 
 
-def as_score(result) -> tuple[float, dict]:
-    """(score, extras) from a function's return: a finite number, or a dict whose "score" is one; extras are its other
-    numbers, and its "pred" as text where it has one (verl's DAPO rule: the answer it read, for maj@k)."""
+def as_score(result, max_abs_score: float = math.inf) -> tuple[float, dict]:
+    """(score, extras) from a function's return: a finite number within ±max_abs_score (reward.max_abs_score), or a
+    dict whose "score" is one; extras are its other numbers, and its "pred" as text where it has one (verl's DAPO
+    rule: the answer it read, for maj@k). Beyond the bound is an error (issue 32): 1e308 is inf in float32."""
     if isinstance(result, BaseException):  # raised inside an async function, returned by asyncio.gather
         raise result
     extras = {}
@@ -152,6 +156,8 @@ def as_score(result) -> tuple[float, dict]:
     score = float(result)
     if not math.isfinite(score):
         raise ValueError(f"the reward is {score}, not a finite number")
+    if abs(score) > max_abs_score:
+        raise ValueError(f"the reward is {score:g}, beyond reward.max_abs_score={max_abs_score:g}")
     return score, extras
 
 
@@ -175,12 +181,14 @@ def call_all(compute_score, calls: list[dict]) -> list:
     return asyncio.run(batch())
 
 
-def score_responses(compute_score, rows: list[dict], responses: list[str]) -> tuple[list[float], dict, int]:
+def score_responses(compute_score, rows: list[dict], responses: list[str],
+                    max_abs_score: float = math.inf) -> tuple[list[float], dict, int]:
     """Score each (row, response) with compute_score(data_source=, solution_str=, ground_truth=, extra_info=),
-    by keyword as verl calls it (a function here, or a FunctionWorker's in its process); returns (scores, extras:
-    each extra numeric dict key's values, errors). A call that raises, times out, ends its worker or returns something
-    unusable (None, a string, a dict without "score", NaN, inf) scores 0.0 and counts as an error, warned once; when
-    every call fails, RewardError stops the run rather than train on zeros.
+    by keyword as verl calls it (a function here, or a FunctionWorker's in its processes); returns (scores, extras:
+    each extra numeric dict key's values, errors). A call that raises, times out, ends its worker, is not run (its
+    batch reached reward.max_timeouts) or returns something unusable (None, a string, a dict without "score", NaN,
+    inf, beyond ±max_abs_score) scores 0.0 and counts as an error, warned once; when every call fails, RewardError
+    stops the run rather than train on zeros.
     """
     if len(rows) != len(responses):
         raise ValueError(f"score_responses got {len(rows)} rows but {len(responses)} responses")
@@ -197,7 +205,7 @@ def score_responses(compute_score, rows: list[dict], responses: list[str]) -> tu
                                                                                                         calls)
     for result in results:
         try:
-            score, more = as_score(result)
+            score, more = as_score(result, max_abs_score)
         except Exception as e:
             score, more, errors = 0.0, {}, errors + 1
             first = first or (str(e) if isinstance(e, CallFailed) else f"{type(e).__name__}: {e}")
@@ -243,8 +251,9 @@ class Scorer:
         a hung custom reward call then holds up for at most reward.timeout_s."""
         self.cfg, self.rule_fn, self.model, self.judge, self.task_rule = cfg_reward, None, None, None, None
         self.judge_answers = []  # the judge's raw answer to each response of the last call, for the sample table
+        pool = Pool(cfg_reward.max_concurrency, cfg_reward.max_timeouts)  # a custom reward.function's processes
         if cfg_reward.type in ("rule", "both", "rule+judge"):
-            self.rule_fn = load_reward_function(cfg_reward.function, cfg_reward.timeout_s, stop)
+            self.rule_fn = load_reward_function(cfg_reward.function, cfg_reward.timeout_s, stop, pool)
         if cfg_reward.type in ("model", "both"):
             self.model = RewardModelScorer(cfg_reward.model_path, cfg_reward.micro_batch_size, cfg_reward.normalize,
                                            cfg_reward.clip, device, dtype, trust_remote_code=trust_remote_code)
@@ -252,14 +261,14 @@ class Scorer:
             self.judge = Judge(cfg_reward.judge)
         if cfg_reward.type != "rule":
             # the task's rule on the same answers (val/rule_score/mean): does what the reward model or judge like score?
-            self.task_rule = self.rule_fn or load_reward_function(cfg_reward.function, cfg_reward.timeout_s, stop)
+            self.task_rule = self.rule_fn or load_reward_function(cfg_reward.function, cfg_reward.timeout_s, stop, pool)
 
     def __call__(self, rows: list[dict], texts: list[str], with_answers: bool = False):
         """rows (with prompt, ground_truth, data_source, extra_info) and decoded responses → scores (B,), metrics; with
         with_answers, metrics["answers"] too: each response's answer as the rule read it ("pred"), else None."""
         weighted, metrics, scores = self.cfg.type in ("both", "rule+judge"), {}, torch.zeros(len(texts))
         if self.rule_fn is not None:
-            rule, extras, errors = score_responses(self.rule_fn, rows, texts)
+            rule, extras, errors = score_responses(self.rule_fn, rows, texts, self.cfg.max_abs_score)
             scores += (self.cfg.rule_weight if weighted else 1.0) * torch.tensor(rule, dtype=torch.float32)
             metrics["reward/errors"] = float(errors)
             metrics.update({f"reward/{k}": sum(v) / len(v) for k, v in extras.items() if v and k != "pred"})
@@ -301,7 +310,8 @@ class Scorer:
         if self.task_rule is not None:
             ruled = [(row, text) for row, text in zip(rows, texts)
                      if row["ground_truth"] is not None and (self.cfg.function or rule_for(row["data_source"]))]
-            rule_scores, _, _ = score_responses(self.task_rule, [row for row, _ in ruled], [text for _, text in ruled])
+            rule_scores, _, _ = score_responses(self.task_rule, [row for row, _ in ruled], [text for _, text in ruled],
+                                                self.cfg.max_abs_score)
             total, count = sum_over_processes(accelerator, torch.tensor([sum(rule_scores), len(rule_scores)],
                                                                         dtype=torch.float64)).tolist()
             if count:
