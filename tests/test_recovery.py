@@ -454,12 +454,14 @@ def strict_json_lines(path) -> list:
 
 
 def test_a_run_whose_every_step_is_skipped_stops_without_a_final_model(workdir, tmp_path):  # noqa: F811
-    """A reward of 3e38 makes every loss non-finite, so every step is skipped: after trainer.max_skipped_steps in a
-    row the run stops (it used to run to the end and write an untrained final/, exit 0) with exit 1 and the reason;
-    metrics.jsonl is strict JSON, the non-finite losses as null."""
+    """A reward of 3e38 (let through by reward.max_abs_score=1e39) makes every loss non-finite, so every step is
+    skipped: after trainer.max_skipped_steps in a row the run stops (it used to run to the end and write an
+    untrained final/, exit 0) with exit 1 and the reason; metrics.jsonl is strict JSON, the non-finite losses as
+    null."""
     out = tmp_path / "out"
-    proc = run_ppo(workdir, out, f"reward.function={workdir}/nan_reward.py:compute_score", "trainer.total_steps=6",
-                   "trainer.max_skipped_steps=2", "trainer.save_freq=1", *QUIET, expect_ok=False)
+    proc = run_ppo(workdir, out, f"reward.function={workdir}/nan_reward.py:compute_score", "reward.max_abs_score=1e39",
+                   "trainer.total_steps=6", "trainer.max_skipped_steps=2", "trainer.save_freq=1", *QUIET,
+                   expect_ok=False)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
         f"ppo.py: stopping at step 2: the last 2 steps each skipped an optimiser step because the loss or gradient "
