@@ -138,7 +138,7 @@ class FunctionWorker:
                 try:
                     self.stop.check_overdue(self.timeout_s)
                 except BaseException:
-                    self.close()
+                    self.close(now=True)
                     raise
             waiting = {slot.conn: i for i, slot in enumerate(self.slots) if slot and (slot.job or not slot.ready)}
             first = min(waiting.values(), key=lambda i: self.slots[i].deadline)
@@ -243,10 +243,12 @@ class FunctionWorker:
                                       f"batch's calls not yet started are not run" if limit else ""))
         batch.timeouts += new
 
-    def close(self) -> None:
-        """Stop the workers (each killed if it does not leave at once); the next call_all starts new ones."""
+    def close(self, now: bool = False) -> None:
+        """Stop the workers (each killed if it does not leave at once, or `now`); the next call_all starts new ones."""
         for i, slot in enumerate(self.slots):
-            if slot is not None:
+            if slot is not None and now:
+                slot.kill()
+            elif slot is not None:
                 slot.stop()
             self.slots[i] = None
 

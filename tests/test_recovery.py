@@ -358,11 +358,11 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 def test_a_reward_that_hangs_or_exits_on_some_samples_trains_on_and_counts_them(workdir, tmp_path):  # noqa: F811
     """A reward that hangs on every fourth call and calls sys.exit on another fourth (either used to stop the run:
     forever, or with exit 0): the run trains to the end (exit 0, final/ written), those 8 of 16 samples counted in
-    reward/errors, the others scoring 1."""
+    reward/errors, the others scoring 1. (One worker process, so that its count of calls is the batch's.)"""
     reward = write(tmp_path / "r.py", SOME_CALLS_HANG)
     out = tmp_path / "out"
     run_ppo(workdir, out, f"reward.function={reward}:compute_score", "reward.timeout_s=0.3", "trainer.total_steps=1",
-            *QUIET)
+            "reward.max_concurrency=1", *QUIET)
     (line,) = read_metrics(out)
     assert line["reward/errors"] == 8 and line["score/mean"] == 0.5
     assert (out / "final" / "adapter_model.safetensors").exists()
@@ -396,11 +396,13 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 
 def test_sigterm_while_a_reward_call_hangs_stops_the_run_within_the_timeout(workdir, tmp_path):  # noqa: F811
     """SIGTERM while step 2's reward call hangs (it was noted, then waited on forever): the run stops within
-    reward.timeout_s of the signal, exit 143, with the sentence; step 1's checkpoint is kept, step 2 not saved."""
+    reward.timeout_s of the signal, exit 143, with the sentence; step 1's checkpoint is kept, step 2 not saved. (One
+    worker process, so that its count of calls is the run's.)"""
     marker, out = tmp_path / "hanging", tmp_path / "out"
     reward = write(tmp_path / "r.py", HANGS_AFTER_STEP_1.format(marker=str(marker)))
     cmd = [sys.executable, "ppo.py", "--config", "configs.yaml", *base_args(workdir, out), *QUIET,
-           f"reward.function={reward}:compute_score", "reward.timeout_s=4", "trainer.save_freq=1"]
+           f"reward.function={reward}:compute_score", "reward.timeout_s=4", "trainer.save_freq=1",
+           "reward.max_concurrency=1"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
     while not marker.exists() and time.time() < deadline and proc.poll() is None:
