@@ -395,9 +395,10 @@ LONG_RUN = ["trainer.total_steps=500", "trainer.save_freq=0", "trainer.test_freq
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_a_stop_signal_finishes_the_step_saves_and_exits_non_zero(workdir, tmp_path, sig):
+def test_a_stop_signal_finishes_the_step_saves_and_exits_non_zero(workdir, tmp_path, sig, leftovers):
     """SIGTERM (Slurm's preemption) or Ctrl-C in the middle of training: the step in progress finishes, a
-    checkpoint of it is saved, one line says so, the exit code is 128 + the signal, and there is no traceback."""
+    checkpoint of it is saved, one line says so, the exit code is 128 + the signal, there is no traceback, and no
+    process of the run (its reward workers) is left."""
     out = tmp_path / "out"
     cmd = [sys.executable, "ppo.py", "--config", "configs.yaml", *base_args(workdir, out), *LONG_RUN]
     proc, stdout, stderr = stop_mid_run(cmd, out, lambda proc: proc.send_signal(sig))
@@ -405,7 +406,7 @@ def test_a_stop_signal_finishes_the_step_saves_and_exits_non_zero(workdir, tmp_p
     step = read_metrics(out)[-1]["step"]
     assert f"stopped by {sig.name} after step {step}, checkpoint saved" in stdout
     assert [p for p in os.listdir(out) if p.startswith("step_")] == [f"step_{step}"]
-    assert "Traceback" not in stderr
+    assert "Traceback" not in stderr and leftovers.after() == []
 
 
 def test_a_signal_to_one_of_two_processes_stops_both_at_the_same_step(workdir, tmp_path):

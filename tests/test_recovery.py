@@ -394,10 +394,10 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 """
 
 
-def test_sigterm_while_a_reward_call_hangs_stops_the_run_within_the_timeout(workdir, tmp_path):  # noqa: F811
+def test_sigterm_while_a_reward_call_hangs_stops_the_run_within_the_timeout(workdir, tmp_path, leftovers):  # noqa: F811
     """SIGTERM while step 2's reward call hangs (it was noted, then waited on forever): the run stops within
-    reward.timeout_s of the signal, exit 143, with the sentence; step 1's checkpoint is kept, step 2 not saved. (One
-    worker process, so that its count of calls is the run's.)"""
+    reward.timeout_s of the signal, exit 143, with the sentence; step 1's checkpoint is kept, step 2 not saved, and the
+    hung worker is not left behind. (One worker process, so that its count of calls is the run's.)"""
     marker, out = tmp_path / "hanging", tmp_path / "out"
     reward = write(tmp_path / "r.py", HANGS_AFTER_STEP_1.format(marker=str(marker)))
     cmd = [sys.executable, "ppo.py", "--config", "configs.yaml", *base_args(workdir, out), *QUIET,
@@ -415,6 +415,7 @@ def test_sigterm_while_a_reward_call_hangs_stops_the_run_within_the_timeout(work
         "ppo.py: stopped by SIGTERM while a reward call was still running 4 s later (reward.timeout_s); this step is "
         "not saved, the last checkpoint is kept: run the same command again to resume")
     assert sorted(p for p in os.listdir(out) if p.startswith("step_")) == ["step_1"]
+    assert leftovers.after() == []
 
 
 SLOW_VALIDATION = """

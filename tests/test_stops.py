@@ -190,8 +190,8 @@ def start_validating(workdir, tmp_path, *overrides, launcher=(sys.executable,)):
 
 
 @pytest.mark.parametrize("rollout", ["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
-def test_two_signals_during_validation_end_in_one_sentence_and_leave_no_process(workdir, tmp_path, leftovers,  # noqa: F811
-                                                                               rollout):
+def test_two_signals_in_validation_end_in_one_sentence_and_no_process(workdir, tmp_path, leftovers,  # noqa: F811
+                                                                      rollout):
     """Ctrl-C (to the whole process group, as a terminal sends it), then SIGTERM (Slurm's preemption; the two are
     one handler) while the reward workers score the first validation: exit 143, the run's sentence is the last line
     of stderr, no traceback (the workers still in a call used to add two), and no process is left: no reward
@@ -209,7 +209,7 @@ def test_two_signals_during_validation_end_in_one_sentence_and_leave_no_process(
     assert not any(name.startswith(("step_", "final")) for name in os.listdir(out))
 
 
-def test_a_two_process_run_whose_rank_1_is_killed_leaves_no_worker_traceback_or_process(workdir, tmp_path, leftovers):  # noqa: F811
+def test_killing_rank_1_of_two_leaves_no_worker_traceback_and_no_process(workdir, tmp_path, leftovers):  # noqa: F811
     """Rank 1 killed by SIGKILL while both ranks' reward workers score the first validation: the run fails, rank
     1's workers (their parent gone) and rank 0's leave without a word (no BrokenPipeError, nothing from
     infra/worker.py on stderr), and no process of the run is left."""
