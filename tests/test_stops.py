@@ -137,7 +137,7 @@ SLOW = """
 import time
 def slow():
     open({marker!r}, "w").close()
-    time.sleep(0.5)
+    time.sleep(0.2)  # ends within the 0.5 s that a closing parent waits before it kills the worker
     print("still printing", flush=True)  # into the parent's stdout, which nobody reads any more
     return 1.0
 """
