@@ -80,7 +80,7 @@ from infra.layouts import batch_layout
 from infra.metrics import check_loggers, console_line, reduce_metrics, sample_table, sum_over_processes, timed
 from infra.models import check_model_folders, check_teacher, load_models, load_teacher, policy_tokenizer
 from infra.optim import make_optimizer, StopAtMicroBatch, train_step
-from infra.runs import Interrupted, save_checkpoint, skipped_steps_error, start_run, StopSignal
+from infra.runs import check_learning, Interrupted, save_checkpoint, start_run, StopSignal
 from infra.train_state import keep_best, resume, save_final, TrainState
 from infra.trunk import plan_trunk
 from kl import KLController, kl_estimate, kl_penalty_rewards
@@ -401,9 +401,8 @@ def main(cfg: config.Config):
         logger.log(metrics, 0)
     if signum := stop_signal.received(accelerator):
         raise Interrupted(signum, "during the validation before training; nothing was trained")
-    stop_reason, skipped_in_a_row = None, 0
-    bar = tqdm(range(state.step + 1, t.total_steps + 1), disable=not accelerator.is_main_process,
-               desc="ppo", dynamic_ncols=True)
+    stop_reason, skipped_in_a_row, first = None, 0, state.step + 1  # first: this run's first step (resumed: later)
+    bar = tqdm(range(first, t.total_steps + 1), disable=not accelerator.is_main_process, desc="ppo", dynamic_ncols=True)
     for step in bar:
         times, skipped_before, t0 = {}, state.skipped, time.perf_counter()
 
@@ -518,8 +517,9 @@ def main(cfg: config.Config):
         logger.log({**metrics, "train/rollbacks": state.rollbacks}, step)
         bar.set_postfix(score=f"{metrics['score/mean']:.3f}", kl=f"{metrics.get('kl/mean', 0):.4f}")
         print0(f"step {step}  " + console_line(metrics, CONSOLE_KEYS))
-        if t.max_skipped_steps and skipped_in_a_row >= t.max_skipped_steps:  # nothing learnt: no final/
-            raise skipped_steps_error(skipped_in_a_row, step, "trainer", t.output_dir)
+        # nothing learnt, no final/: trainer.max_skipped_steps in a row, or every step of a run that ends here
+        check_learning(skipped_in_a_row, range(first, step + 1), step == t.total_steps or bool(stop_reason), t,
+                       "trainer")
         if t.sample_freq and step % t.sample_freq == 0:
             print0(sample_table(shown_samples(samples, t.num_samples_to_show)))
 

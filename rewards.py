@@ -8,11 +8,12 @@ verl's code, search-tool and image routes are not built in: check_data_sources s
 
 A custom function is `reward.function=path/to/file.py:name`; verl reward files work unchanged, `async def` ones
 included. A function may return a number, or a dict with "score" and other numbers to log. It runs in a worker
-process of its own (infra/worker.py), each call limited to reward.timeout_s: a call that hangs, raises, calls
-sys.exit, or ends or kills the worker is an error for its sample (reward/errors), never the end of the run. Besides
-"score" it may return step rewards, "step_rewards": [r_1, …] with "step_ends": [c_1, …], the character offsets in
-solution_str where each step ends: r_k then lands on the response token whose text holds character c_k − 1
-(step_token_rewards), as a process reward model's would.
+pool of reward.max_concurrency worker processes (infra/worker.py), each call limited to reward.timeout_s and each
+batch to reward.max_timeouts timed-out calls: a call that hangs, raises, calls sys.exit, or ends or kills its worker
+is an error for its sample (reward/errors), never the end of the run; so is a score that is not finite or beyond
+±reward.max_abs_score. Besides "score" it may return step rewards, "step_rewards": [r_1, …] with "step_ends":
+[c_1, …], the character offsets in solution_str where each step ends: r_k then lands on the response token whose text
+holds character c_k − 1 (step_token_rewards), as a process reward model's would.
 
 What every scorer returns (scorers.py holds the scorers, each one line of scorers.SCORERS) is a `Scores`.
 """
@@ -30,7 +31,7 @@ from accelerate.utils import gather_object
 
 from infra.config import ConfigError
 from infra.runs import Interrupted
-from infra.worker import CallFailed, FunctionWorker, WorkerStartError
+from infra.worker import CallFailed, FunctionWorker, Pool, WorkerStartError
 from reward_rules import verl_prime_math, verl_rules
 from reward_rules.library import arithmetic_score, boxed_score, gsm8k_score
 
@@ -98,10 +99,11 @@ def check_data_sources(sources, reward_cfg) -> None:
                           f"reward.function=path/to/file.py:compute_score (built in: {KNOWN})")
 
 
-def load_reward_function(spec, timeout_s: float, stop=None):
+def load_reward_function(spec, timeout_s: float, stop=None, pool: Pool = Pool()):
     """None → default_compute_score, called in this process; "path/to/file.py:name" (name defaults to
-    compute_score, as in verl) → a FunctionWorker running that function, each call limited to timeout_s (`stop`:
-    runs.StopSignal, so that a preempted run does not wait for a hung call longer than that)."""
+    compute_score, as in verl) → a FunctionWorker running that function in pool.max_concurrency processes, each call
+    limited to timeout_s and a batch to pool.max_timeouts timed-out calls (`stop`: runs.StopSignal, so that a
+    preempted run does not wait for a hung call longer than that)."""
     if not spec:
         return default_compute_score
     path, sep, name = spec.rpartition(":")
@@ -110,7 +112,7 @@ def load_reward_function(spec, timeout_s: float, stop=None):
     if not os.path.isfile(path):
         raise ConfigError(f"reward.function: file {path} does not exist (expected path/to/file.py:function_name)")
     try:
-        return FunctionWorker(path, name, timeout_s, stop)
+        return FunctionWorker(path, name, timeout_s, stop, pool)
     except WorkerStartError as e:
         raise ConfigError(f"reward.function: {e}") from None
 
@@ -119,9 +121,10 @@ class RewardError(ConfigError):
     """The reward function failed on every sample of a batch: training on would learn from zeros."""
 
 
-def as_score(result) -> tuple[float, dict]:
-    """(score, extras) from a function's return: a finite number, or a dict whose "score" is one; extras are its other
-    numbers, and its "pred" as text where it has one (verl's DAPO rule: the answer it read, for maj@k)."""
+def as_score(result, max_abs_score: float = math.inf) -> tuple[float, dict]:
+    """(score, extras) from a function's return: a finite number within ±max_abs_score (reward.max_abs_score), or a
+    dict whose "score" is one; extras are its other numbers, and its "pred" as text where it has one (verl's DAPO
+    rule: the answer it read, for maj@k). Beyond the bound is an error (issue 32): 1e308 is inf in float32."""
     if isinstance(result, BaseException):  # raised inside an async function, returned by asyncio.gather
         raise result
     extras = {}
@@ -136,6 +139,8 @@ def as_score(result) -> tuple[float, dict]:
     score = float(result)
     if not math.isfinite(score):
         raise ValueError(f"the reward is {score}, not a finite number")
+    if abs(score) > max_abs_score:
+        raise ValueError(f"the reward is {score:g}, beyond reward.max_abs_score={max_abs_score:g}")
     return score, extras
 
 
@@ -159,12 +164,14 @@ def call_all(compute_score, calls: list[dict]) -> list:
     return asyncio.run(batch())
 
 
-def score_responses(compute_score, rows: list[dict], responses: list[str]) -> tuple[list[float], dict, int]:
+def score_responses(compute_score, rows: list[dict], responses: list[str],
+                    max_abs_score: float = math.inf) -> tuple[list[float], dict, int]:
     """Score each (row, response) with compute_score(data_source=, solution_str=, ground_truth=, extra_info=),
-    by keyword as verl calls it (a function here, or a FunctionWorker's in its process); returns (scores, extras:
-    each extra numeric dict key's values, errors). A call that raises, times out, ends its worker or returns something
-    unusable (None, a string, a dict without "score", NaN, inf) scores 0.0 and counts as an error, warned once; when
-    every call fails, RewardError stops the run rather than train on zeros.
+    by keyword as verl calls it (a function here, or a FunctionWorker's in its processes); returns (scores, extras:
+    each extra numeric dict key's values, errors). A call that raises, times out, ends its worker, is not run (its
+    batch reached reward.max_timeouts) or returns something unusable (None, a string, a dict without "score", NaN,
+    inf, beyond ±max_abs_score) scores 0.0 and counts as an error, warned once; when every call fails, RewardError
+    stops the run rather than train on zeros.
     """
     if len(rows) != len(responses):
         raise ValueError(f"score_responses got {len(rows)} rows but {len(responses)} responses")
@@ -181,7 +188,7 @@ def score_responses(compute_score, rows: list[dict], responses: list[str]) -> tu
                                                                                                         calls)
     for result in results:
         try:
-            score, more = as_score(result)
+            score, more = as_score(result, max_abs_score)
         except Exception as e:
             score, more, errors = 0.0, {}, errors + 1
             first = first or (str(e) if isinstance(e, CallFailed) else f"{type(e).__name__}: {e}")

@@ -27,6 +27,7 @@ import rewards
 from infra.batches import autocast, autocast_dtype
 from infra.config import ConfigError
 from infra.models import check_model_path, load_reward_classifier, load_tokenizer
+from infra.worker import Pool
 from rewards import load_reward_function, one_rule, reward_sources, Scores, score_responses
 from rollout import right_pad
 
@@ -55,14 +56,21 @@ def rule_scores(scores: list, extras: dict, errors: int) -> Scores:
     return Scores(torch.tensor(scores, dtype=torch.float32), extras=per_sample, metrics=metrics)
 
 
+def reward_function(cfg_reward, stop=None):
+    """reward.function in reward.max_concurrency worker processes, each call bounded by reward.timeout_s and a batch by
+    reward.max_timeouts timed-out calls (rewards.load_reward_function); the built-in rules where it is unset."""
+    pool = Pool(cfg_reward.max_concurrency, cfg_reward.max_timeouts)
+    return load_reward_function(cfg_reward.function, cfg_reward.timeout_s, stop, pool)
+
+
 class RuleScorer:
     """The built-in rules by data_source (rewards.default_compute_score), in this process."""
 
     def __init__(self, cfg_reward, setup: Setup):
-        self.fn = rewards.default_compute_score
+        self.fn, self.max_abs_score = rewards.default_compute_score, cfg_reward.max_abs_score
 
     def __call__(self, rows: list[dict], texts: list[str], ro=None) -> Scores:
-        return rule_scores(*score_responses(self.fn, rows, texts))
+        return rule_scores(*score_responses(self.fn, rows, texts, self.max_abs_score))
 
 
 class FunctionScorer:
@@ -70,8 +78,8 @@ class FunctionScorer:
     ("step_rewards", "step_ends": rewards.read_steps) as token rewards at the tokens that end the steps."""
 
     def __init__(self, cfg_reward, setup: Setup):
-        self.worker = load_reward_function(cfg_reward.function, cfg_reward.timeout_s, setup.stop)
-        self.tokenizer, self.results = setup.tokenizer, []
+        self.worker = reward_function(cfg_reward, setup.stop)
+        self.tokenizer, self.results, self.max_abs_score = setup.tokenizer, [], cfg_reward.max_abs_score
         call_all = self.worker.call_all
 
         def keeping(calls):  # score_responses reads each result's score and numbers; the step rewards are read here
@@ -80,7 +88,7 @@ class FunctionScorer:
         self.worker.call_all = keeping
 
     def __call__(self, rows: list[dict], texts: list[str], ro=None) -> Scores:
-        scores = rule_scores(*score_responses(self.worker, rows, texts))
+        scores = rule_scores(*score_responses(self.worker, rows, texts, self.max_abs_score))
         if ro is None or self.tokenizer is None:
             return scores
         steps, bad = [], 0
@@ -257,8 +265,8 @@ class Scorer:
         self.is_rule = one_rule(self.sources)
         self.custom_rule = bool(cfg_reward.function)  # the task's rule is reward.function, which scores every row
         self.task_rule = None if self.is_rule else (
-            self.scorers["function"].worker if "function" in self.scorers else
-            load_reward_function(cfg_reward.function, cfg_reward.timeout_s, stop))
+            self.scorers["function"].worker if "function" in self.scorers else reward_function(cfg_reward, stop))
+        self.max_abs_score = cfg_reward.max_abs_score
 
     @classmethod
     def from_config(cls, cfg, device, tokenizer, stop):

@@ -54,7 +54,8 @@ def validation_metrics(scorer, rows: list[dict], texts: list[str], sources: list
     if scorer.task_rule is not None:
         ruled = [(row, text) for row, text in zip(rows, texts)
                  if row["ground_truth"] is not None and rule_of(scorer, row)]
-        rule_scores, _, _ = score_responses(scorer.task_rule, [row for row, _ in ruled], [text for _, text in ruled])
+        rule_scores, _, _ = score_responses(scorer.task_rule, [row for row, _ in ruled], [text for _, text in ruled],
+                                            scorer.max_abs_score)
         total, count = sum_over_processes(accelerator, torch.tensor([sum(rule_scores), len(rule_scores)],
                                                                     dtype=torch.float64)).tolist()
         if count:

@@ -291,7 +291,8 @@ RANGES = {
                 "ppo_epochs ppo_mini_batch_size ppo_micro_batch_size_per_device log_prob_micro_batch_size_per_device "
                 "max_token_len_per_device horizon total_steps max_kl_window batch_size micro_batch_size_per_device "
                 "max_length lora_alpha max_turns max_tool_response_length max_tokens max_concurrency",
-    "(0, inf)": "lr target_kl max_grad_norm rollout_is_threshold rollout_rs_threshold clip timeout_s tool_timeout_s",
+    "(0, inf)": "lr target_kl max_grad_norm rollout_is_threshold rollout_rs_threshold clip timeout_s tool_timeout_s "
+                "max_abs_score",
     "(0, 1]": "top_p gpu_memory_utilization",
     "[0, 1)": "lora_dropout betas",
     "[0, 1]": "gamma lam warmup_ratio min_lr_ratio clip_ratio_low",

@@ -258,6 +258,15 @@ class RewardConfig:
     timeout_s: float = 30.0
     """seconds one call of a custom reward.function may take: it runs in a worker process, which is restarted after
     a call that hangs, exits or kills it; such a call is an error for its sample (reward/errors)"""
+    max_concurrency: int = 8
+    """worker processes (on each training process) running a custom reward.function's calls at once"""
+    max_timeouts: int = 8
+    """calls of one batch that may time out before its calls not yet started are errors, unrun, so that a function
+    hanging on every call ends its batch after ⌈max_timeouts / max_concurrency⌉ rounds of timeout_s (and a grace
+    of seconds: infra/worker.hung_batch_s); 0 = no limit, every call waits out its own timeout"""
+    max_abs_score: float = 1e6
+    """a reward function's score beyond ±this (or not finite) is an error for its sample (reward/errors), not a
+    score: one huge score swamps the batch's advantages and overflows the loss"""
     judge: JudgeConfig = field(default_factory=JudgeConfig)
     """the LLM judge (source judge)"""
     remote: RemoteRewardConfig = field(default_factory=RemoteRewardConfig)

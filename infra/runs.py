@@ -4,7 +4,8 @@ later checkpoints and metric lines), and SIGTERM / Ctrl-C ending a step with a c
 trainer.best_metric) is a checkpoint folder too, never pruned; what is kept in it and the rollback to it are
 infra/train_state.py's.
 The checkpoint's contents (safetensors + JSON) are distributed.save_training_state's; beside them each checkpoint
-has a manifest.json (infra/manifests.py): the size and sha256 of every file it wrote and a fingerprint of the base
+has the run's config.yaml (the settings it was trained with, kept when a new branch sets it aside into abandoned/) and
+a manifest.json (infra/manifests.py): the size and sha256 of every file it wrote and a fingerprint of the base
 models it was trained from. Resuming checks both before any model loads (intact_resume, record_bases): a damaged
 file is named, resume=auto falls back to the newest intact checkpoint, and a changed base model fails."""
 import fcntl
@@ -82,6 +83,8 @@ def save_checkpoint(accelerator, output_dir: str, step: int, keep: int, models: 
     tmp = final + ".tmp"
 
     def publish():  # rank 0, once every process has written its files
+        if os.path.exists(os.path.join(output_dir, "config.yaml")):  # the settings it was trained with (issue 32)
+            shutil.copyfile(os.path.join(output_dir, "config.yaml"), os.path.join(tmp, "config.yaml"))
         write_manifest(tmp, run_bases(output_dir))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -248,7 +251,8 @@ def start_run(accelerator, cfg, stage: str, unused: frozenset = frozenset()):
     if path is None:
         record_bases(accelerator, cfg, stage, unused, None)
         return lock, None, False
-    saved = os.path.join(os.path.dirname(os.path.normpath(path)), "config.yaml")
+    saved = os.path.join(path, "config.yaml")  # the checkpoint's own; an older one's: the run's beside it
+    saved = saved if os.path.exists(saved) else os.path.join(os.path.dirname(os.path.normpath(path)), "config.yaml")
     changes = cli.resume_changes(cfg, saved, unused) if os.path.exists(saved) else []
     if changes:
         accelerator.print(f"changed since {path}: " + ", ".join(changes))
@@ -278,22 +282,34 @@ def set_aside_later(output_dir: str, step: int, metrics_path: str) -> None:
     for path in later + best + ([final] if os.path.isdir(final) else []):
         os.replace(path, os.path.join(aside, os.path.basename(path)))
     drop_metrics_after(metrics_path, step, os.path.join(aside, "metrics.jsonl"))
-    print(f"this run goes on from step {step}: the later checkpoints {[os.path.basename(p) for p in later + best]} and "
-          f"their metrics moved to {aside}", flush=True)
+    print(f"this run goes on from step {step}: the later checkpoints {[os.path.basename(p) for p in later + best]} "
+          f"(each with the config.yaml it was trained with) and their metrics moved to {aside}", flush=True)
 
 
 class RunError(ConfigError):
     """The run cannot go on usefully (ppo.py and reward_model.py print it as one sentence and exit 1)."""
 
 
-def skipped_steps_error(in_a_row: int, step: int, stage: str, output_dir: str) -> RunError:
-    """Why a run that skipped `in_a_row` steps in a row (a non-finite loss or gradient, so train_step left the
-    weights alone) stops without writing final/: an untrained model must not look like a trained one."""
+def skipped_steps_error(in_a_row: int, step: int, stage: str, output_dir: str, every: bool = False) -> RunError:
+    """Why a run that skipped `in_a_row` steps in a row (a non-finite loss or gradient: train_step left the weights
+    alone), or `every` one of its steps, stops without final/: an untrained model must not look like a trained one."""
     kept = [os.path.basename(path) for path in checkpoints(output_dir)]
-    return RunError(f"stopping at step {step}: the last {in_a_row} steps each skipped an optimiser step because the "
-                    f"loss or gradient was not finite (NaN or inf: a reward too large, or a learning rate too high), "
-                    f"so the model is not learning ({stage}.max_skipped_steps={in_a_row}); final/ is not written"
-                    + (f" and {these(kept)} kept ({output_dir})" if kept else ""))
+    what = (f"every one of this run's {in_a_row} steps skipped its optimiser step" if every else
+            f"the last {in_a_row} steps each skipped an optimiser step")
+    return RunError(f"stopping at step {step}: {what} because the loss or gradient was not finite (NaN or inf: a "
+                    f"reward too large, or a learning rate too high), so the model "
+                    + ("learnt nothing" if every else f"is not learning ({stage}.max_skipped_steps={in_a_row})")
+                    + "; final/ is not written" + (f" and {these(kept)} kept ({output_dir})" if kept else ""))
+
+
+def check_learning(in_a_row: int, steps: range, ending: bool, section, stage: str) -> None:
+    """RunError (no final/) once section.max_skipped_steps steps in a row skipped their optimiser step, or when the
+    run ends at this step (`ending`) with every one of its `steps` (this run's, this one last) skipped, however few:
+    a run that learnt nothing never exits 0 (issue 32; max_skipped_steps=0 turns off only the first)."""
+    if section.max_skipped_steps and in_a_row >= section.max_skipped_steps:
+        raise skipped_steps_error(in_a_row, steps[-1], stage, section.output_dir)
+    if ending and in_a_row == len(steps):
+        raise skipped_steps_error(in_a_row, steps[-1], stage, section.output_dir, every=True)
 
 
 def these(checkpoints: list) -> str:

@@ -5,14 +5,21 @@ shape vLLM's CPU attention accepts.
 
 pip_install and bare_packages bring in the libraries that tests compare against (verl, OpenRLHF) without their
 heavy dependencies: tests/test_verl_rewards.py, tests/test_crosscheck.py.
+
+The `leftovers` fixture lists the processes a test's runs leave behind (children, grandchildren, …, found by an
+environment tag they inherit): tests/test_stops.py.
 """
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 import types
+import uuid
+from dataclasses import dataclass
 
 import pytest
 
@@ -153,3 +160,75 @@ def make_tiny_model(path, seed=0, tokenizer=None, arch="llama", layers=2, kv_hea
 def tiny_model_dir(tmp_path_factory):
     """A tiny Llama + tokenizer folder, made once per test session."""
     return make_tiny_model(tmp_path_factory.mktemp("tiny_model"))
+
+
+# ---- the processes a run leaves behind (issue 32): children, grandchildren, … that outlive it
+
+LEFTOVER_TAG = "PPO_MINIMAL_TEST_TAG"  # set in the environment of everything a test starts (the `leftovers` fixture)
+
+
+@dataclass(frozen=True)
+class Process:
+    pid: int
+    ppid: int
+    cmdline: str
+
+
+def processes_tagged(tag: str) -> list[Process]:
+    """Every live process but this one (zombies aside) whose environment holds LEFTOVER_TAG=tag: whatever a process
+    started with that environment started in turn, however deep, also once its parent is gone (an environment is
+    inherited; a parent link is not kept when the parent dies)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:  # ended meanwhile, or not ours to read
+            continue
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]  # after "pid (comm)", which may hold spaces
+        if f"{LEFTOVER_TAG}={tag}".encode() in environ and state != "Z" and int(pid) != os.getpid():
+            found.append(Process(int(pid), int(ppid), cmdline))
+    return found
+
+
+class Leftovers:
+    """The processes started under one tag (processes_tagged)."""
+
+    def __init__(self, tag: str):
+        self.tag = tag
+
+    def after(self, wait_s: float = 5.0) -> list[Process]:
+        """Those still alive after waiting up to wait_s for them to end (a reward worker polls for its parent once a
+        second); [] as soon as there are none."""
+        deadline = time.monotonic() + wait_s
+        while (alive := processes_tagged(self.tag)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return alive
+
+    def kill(self) -> None:
+        for process in processes_tagged(self.tag):
+            try:
+                os.kill(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.fixture
+def leftovers(monkeypatch):
+    """For a test that checks a stopped run leaves nothing behind: LEFTOVER_TAG is set in this process's environment
+    for the test, so every process it starts (subprocess.run(cmd), env={**os.environ, …}, a worker started here)
+    and their descendants carry it; `leftovers.after()` lists those still alive:
+
+        def test_a_stopped_run_leaves_nothing(leftovers):
+            proc = subprocess.Popen([sys.executable, "ppo.py", …]); …; proc.send_signal(signal.SIGTERM); proc.wait()
+            assert leftovers.after() == []
+
+    Whatever is still there at the end of the test is killed (SIGKILL), so a failing test leaves nothing running."""
+    tracker = Leftovers(uuid.uuid4().hex)
+    monkeypatch.setenv(LEFTOVER_TAG, tracker.tag)
+    yield tracker
+    tracker.kill()

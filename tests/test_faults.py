@@ -9,6 +9,7 @@ a lock holder killed with SIGKILL.
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -394,9 +395,10 @@ LONG_RUN = ["trainer.total_steps=500", "trainer.save_freq=0", "trainer.test_freq
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_a_stop_signal_finishes_the_step_saves_and_exits_non_zero(workdir, tmp_path, sig):
+def test_a_stop_signal_finishes_the_step_saves_and_exits_non_zero(workdir, tmp_path, sig, leftovers):
     """SIGTERM (Slurm's preemption) or Ctrl-C in the middle of training: the step in progress finishes, a
-    checkpoint of it is saved, one line says so, the exit code is 128 + the signal, and there is no traceback."""
+    checkpoint of it is saved, one line says so, the exit code is 128 + the signal, there is no traceback, and no
+    process of the run (its reward workers) is left."""
     out = tmp_path / "out"
     cmd = [sys.executable, "ppo.py", "--config", "configs.yaml", *base_args(workdir, out), *LONG_RUN]
     proc, stdout, stderr = stop_mid_run(cmd, out, lambda proc: proc.send_signal(sig))
@@ -404,7 +406,7 @@ def test_a_stop_signal_finishes_the_step_saves_and_exits_non_zero(workdir, tmp_p
     step = read_metrics(out)[-1]["step"]
     assert f"stopped by {sig.name} after step {step}, checkpoint saved" in stdout
     assert [p for p in os.listdir(out) if p.startswith("step_")] == [f"step_{step}"]
-    assert "Traceback" not in stderr
+    assert "Traceback" not in stderr and leftovers.after() == []
 
 
 def test_a_signal_to_one_of_two_processes_stops_both_at_the_same_step(workdir, tmp_path):
@@ -438,7 +440,9 @@ def test_resuming_an_older_checkpoint_starts_a_branch_with_the_new_lr(workdir, t
     """A 3-step run (checkpoints 1–3, final/) whose metrics.jsonl ends in a line cut short by a kill, resumed
     from step_1 with a new lr and total_steps=2: the changed keys are listed; step_2, step_3, final/ and the
     metric lines of steps 2–3 move to abandoned/; metrics.jsonl holds one history (steps 0, 1, 2) in which step 2
-    ran at the new lr. Run again, it is finished: nothing to train, no model loaded, final/ not rewritten."""
+    ran at the new lr. Each checkpoint keeps the config.yaml it was trained with (issue 32: the abandoned ones used to
+    lose theirs), and resuming one of them compares with its own. Run again, it is finished: nothing to train, no
+    model loaded, final/ not rewritten."""
     import ppo
     out = tmp_path / "out"
     run_ppo(workdir, out, "trainer.save_freq=1", "trainer.keep_checkpoints=5", "trainer.sample_freq=0")
@@ -455,6 +459,13 @@ def test_resuming_an_older_checkpoint_starts_a_branch_with_the_new_lr(workdir, t
     [aside] = os.listdir(out / "abandoned")
     assert sorted(os.listdir(out / "abandoned" / aside)) == ["final", "metrics.jsonl", "step_2", "step_3"]
     assert [line["step"] for line in read_metrics(out / "abandoned" / aside)] == [2, 3]
+    lr_of = {path: cli.load_config(str(out / path / "config.yaml"), []).actor.optim.lr
+             for path in (f"abandoned/{aside}/step_2", f"abandoned/{aside}/step_3", "step_1", "step_2")}
+    assert list(lr_of.values()) == [1e-3, 1e-3, 1e-3, 5e-4]
+    abandoned = out / "abandoned" / aside / "step_3"
+    with pytest.raises(config.ConfigError, match=re.escape(
+            f"`model.lora_rank` cannot change on resume (it was 8 in {abandoned}/config.yaml, now 4)")):
+        ppo.main(ppo_config(workdir, out, f"trainer.resume={abandoned}", "model.lora_rank=4"))
 
     before = os.stat(out / "final" / "adapter_model.safetensors").st_mtime_ns
     capsys.readouterr()

@@ -164,17 +164,22 @@ def test_resume_gives_the_same_metrics_as_an_uninterrupted_run(workdir, tmp_path
 
 
 def test_non_finite_loss_skips_the_step(workdir, tmp_path):
-    """A score that overflows float32 arithmetic makes every loss NaN: each update is skipped and counted,
-    and the saved adapter is still the untouched initial one (LoRA B = 0). (A NaN score itself is a reward
-    error, tests/test_rewards.py.)"""
+    """A score that overflows float32 arithmetic (3e38, let through by reward.max_abs_score=1e39) makes every loss
+    NaN: each update is skipped and counted, and step_1's checkpoint still holds the untouched initial adapter
+    (LoRA B = 0). With every step skipped the run exits 1 without final/ (issue 32: it wrote an untrained final/
+    and exited 0). (A NaN score, or one beyond reward.max_abs_score, is a reward error: tests/test_rewards.py.)"""
     out = tmp_path / "nan"
-    run_ppo(workdir, out, f"reward.function={workdir}/nan_reward.py:compute_score", "trainer.total_steps=2",
-            "trainer.val_before_train=false", "trainer.test_freq=0")
+    proc = run_ppo(workdir, out, f"reward.function={workdir}/nan_reward.py:compute_score", "reward.max_abs_score=1e39",
+                   "trainer.total_steps=2", "trainer.save_freq=1", "trainer.val_before_train=false",
+                   "trainer.test_freq=0", expect_ok=False)
+    assert proc.returncode == 1 and "every one of this run's 2 steps skipped its optimiser step" in proc.stderr
     steps = [line for line in read_metrics(out) if line["step"] > 0]
     assert [line["train/skipped_steps"] for line in steps] == [1, 2]
+    assert not (out / "final").exists()
     from safetensors.torch import load_file
-    weights = load_file(str(out / "final" / "adapter_model.safetensors"))
-    lora_b = [v for k, v in weights.items() if "lora_B" in k]
+    (tensors,) = (out / "step_1" / "tensors").iterdir()
+    lora_b = [v for k, v in load_file(str(tensors)).items()
+              if k.startswith("policy.") and k.endswith("lora_B.default.weight")]  # not the optimiser's states
     assert lora_b and all(torch.all(v == 0) for v in lora_b)
 
 

@@ -359,11 +359,11 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 def test_a_reward_that_hangs_or_exits_on_some_samples_trains_on_and_counts_them(workdir, tmp_path):  # noqa: F811
     """A reward that hangs on every fourth call and calls sys.exit on another fourth (either used to stop the run:
     forever, or with exit 0): the run trains to the end (exit 0, final/ written), those 8 of 16 samples counted in
-    reward/errors, the others scoring 1."""
+    reward/errors, the others scoring 1. (One worker process, so that its count of calls is the batch's.)"""
     reward = write(tmp_path / "r.py", SOME_CALLS_HANG)
     out = tmp_path / "out"
     run_ppo(workdir, out, f"reward.function={reward}:compute_score", "reward.timeout_s=0.3", "trainer.total_steps=1",
-            *QUIET)
+            "reward.max_concurrency=1", *QUIET)
     (line,) = read_metrics(out)
     assert line["reward/errors"] == 8 and line["score/mean"] == 0.5
     assert (out / "final" / "adapter_model.safetensors").exists()
@@ -395,13 +395,15 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 """
 
 
-def test_sigterm_while_a_reward_call_hangs_stops_the_run_within_the_timeout(workdir, tmp_path):  # noqa: F811
+def test_sigterm_while_a_reward_call_hangs_stops_the_run_within_the_timeout(workdir, tmp_path, leftovers):  # noqa: F811
     """SIGTERM while step 2's reward call hangs (it was noted, then waited on forever): the run stops within
-    reward.timeout_s of the signal, exit 143, with the sentence; step 1's checkpoint is kept, step 2 not saved."""
+    reward.timeout_s of the signal, exit 143, with the sentence; step 1's checkpoint is kept, step 2 not saved, and the
+    hung worker is not left behind. (One worker process, so that its count of calls is the run's.)"""
     marker, out = tmp_path / "hanging", tmp_path / "out"
     reward = write(tmp_path / "r.py", HANGS_AFTER_STEP_1.format(marker=str(marker)))
     cmd = [sys.executable, "ppo.py", "--config", "configs.yaml", *base_args(workdir, out), *QUIET,
-           f"reward.function={reward}:compute_score", "reward.timeout_s=4", "trainer.save_freq=1"]
+           f"reward.function={reward}:compute_score", "reward.timeout_s=4", "trainer.save_freq=1",
+           "reward.max_concurrency=1"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
     while not marker.exists() and time.time() < deadline and proc.poll() is None:
@@ -414,6 +416,7 @@ def test_sigterm_while_a_reward_call_hangs_stops_the_run_within_the_timeout(work
         "ppo.py: stopped by SIGTERM while a reward call was still running 4 s later (reward.timeout_s); this step is "
         "not saved, the last checkpoint is kept: run the same command again to resume")
     assert sorted(p for p in os.listdir(out) if p.startswith("step_")) == ["step_1"]
+    assert leftovers.after() == []
 
 
 SLOW_VALIDATION = """
@@ -455,12 +458,14 @@ def strict_json_lines(path) -> list:
 
 
 def test_a_run_whose_every_step_is_skipped_stops_without_a_final_model(workdir, tmp_path):  # noqa: F811
-    """A reward of 3e38 makes every loss non-finite, so every step is skipped: after trainer.max_skipped_steps in a
-    row the run stops (it used to run to the end and write an untrained final/, exit 0) with exit 1 and the reason;
-    metrics.jsonl is strict JSON, the non-finite losses as null."""
+    """A reward of 3e38 (let through by reward.max_abs_score=1e39) makes every loss non-finite, so every step is
+    skipped: after trainer.max_skipped_steps in a row the run stops (it used to run to the end and write an
+    untrained final/, exit 0) with exit 1 and the reason; metrics.jsonl is strict JSON, the non-finite losses as
+    null."""
     out = tmp_path / "out"
-    proc = run_ppo(workdir, out, f"reward.function={workdir}/nan_reward.py:compute_score", "trainer.total_steps=6",
-                   "trainer.max_skipped_steps=2", "trainer.save_freq=1", *QUIET, expect_ok=False)
+    proc = run_ppo(workdir, out, f"reward.function={workdir}/nan_reward.py:compute_score", "reward.max_abs_score=1e39",
+                   "trainer.total_steps=6", "trainer.max_skipped_steps=2", "trainer.save_freq=1", *QUIET,
+                   expect_ok=False)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
         f"ppo.py: stopping at step 2: the last 2 steps each skipped an optimiser step because the loss or gradient "
