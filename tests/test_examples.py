@@ -175,7 +175,7 @@ def launched(args: list[str]) -> tuple[int, dict, str, list[str]]:
 @pytest.fixture(scope="module")
 def stand_ins(tmp_path_factory, tiny):
     """What a documented line names but this machine lacks: a tiny model, GSM8K-shaped parquet files (300 rows:
-    enough for a 256-prompt step), tool and preference data, a judge endpoint; and srun and scontrol for sbatch."""
+    enough for a 256-prompt step), arithmetic, tool and preference data, a judge endpoint; and srun and scontrol for sbatch."""
     import data
     from test_judge import StubServer
     root = tmp_path_factory.mktemp("stand_ins")
@@ -184,6 +184,7 @@ def stand_ins(tmp_path_factory, tiny):
     (root / "gsm8k").mkdir()
     for name in ("train", "test"):
         data.write_parquet(rows, str(root / "gsm8k" / f"{name}.parquet"))
+    data.write_parquet(data.make_arithmetic(64, seed=0), str(root / "arithmetic.parquet"))
     data.write_parquet(data.make_arithmetic_tool(64, seed=0), str(root / "tool.parquet"))
     data.write_parquet(data.make_arithmetic_preferences(64, seed=0), str(root / "pairs.parquet"))
     (root / "bin").mkdir()
@@ -207,7 +208,9 @@ def stand_in_overrides(cfg, s: dict) -> list[str]:
     policy = flat.get("model.path") if os.path.exists(str(flat.get("model.path"))) else s["model"]
     paths["algorithm.teacher.path"] = policy  # a teacher must share the policy's vocabulary
     for key in ("data.train_files", "data.val_files"):
-        paths[key] = f"{root}/gsm8k/train.parquet" if "gsm8k" in str(flat.get(key)) else f"{root}/tool.parquet"
+        kind = next((k for k in ("gsm8k", "tool") if k in str(flat.get(key))), "arithmetic")
+        paths[key] = {"gsm8k": f"{root}/gsm8k/train.parquet", "tool": f"{root}/tool.parquet",
+                      "arithmetic": f"{root}/arithmetic.parquet"}[kind]
     out = [f"{k}={v}" for k, v in paths.items() if flat.get(k) and not os.path.exists(str(flat[k]))]
     if flat.get("reward.type") == "judge" or "judge" in (flat.get("reward.sources") or []):
         out.append(f"reward.judge.base_url={s['judge']}")
