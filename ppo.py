@@ -9,8 +9,8 @@
 
 Each step: 1. sample prompts, 2. generate, 3. score, 4. old/ref logprobs and values,
 5. rewards = score − β·KL, 6. advantages, 7. PPO epochs, 8. sync rollout weights, 9. log,
-10. checkpoint. Steps 1–3 are sampling.py's (the rollout, the scores, dynamic sampling); the math is in the stage
-files beside this one (advantages.py, losses.py, kl.py, critic.py); the plumbing (command line, run folder,
+10. checkpoint. Steps 1–3 are sampling.py's (the rollout, the scores, dynamic sampling, running ahead); the math is in
+the stage files beside this one (advantages.py, losses.py, kl.py, critic.py); the plumbing (command line, run folder,
 processes, model loading, the optimiser step, forwards) is in infra/.
 
 How this departs from the textbook (Schulman et al., 2017; Ziegler et al., 2019):
@@ -31,6 +31,17 @@ How this departs from the textbook (Schulman et al., 2017; Ziegler et al., 2019)
    (verl, with one controller, pools the kept prompts of the whole batch).
 7. A rollback (trainer.rollback_tolerance) restores best/'s weights, optimiser states and β, but not the step, the
    data position, the LR schedule or the RNG: the run goes on with new prompts instead of replaying the same steps.
+8. With rollout.steps_ahead = k > 0 the batch of step t is generated when step t − k begins, from the policy then
+   (Samples.versions; rollout/staleness_mean|max; a batch older than k is refused), in one background thread while
+   the steps before it score and train; new weights reach the rollout between two generations, never during one
+   (sampling.Sampler.batch_ahead). The loss is decoupled PPO (Hilton et al., 2021; AReaL's decoupled loss, verl's
+   rollout correction): the ratio is clipped around π_old, the trainer's own log-probs at the weights before the
+   update (which departure 3's shortcut computes, so it stays), and the gap to the stale sampler is corrected by
+   algorithm.rollout_is, token-level by default (auto, as verl's TIS), so the sampler's log-probs are required.
+   The bound follows AReaL's max_head_offpolicyness, prime-rl's async level and TRL's max_staleness. Dynamic
+   sampling is refused (its rounds wait for scores); validation waits for the generation in flight; a checkpoint
+   keeps the data position of the first batch not yet trained, which a resumed run generates again, from the
+   checkpoint's weights: the same prompts and seeds, one version fresher than in the run that was stopped.
 
 Shapes: B sequences on this process (prompts × n), Tq prompt length, Tr response length, V vocab.
 
@@ -83,7 +94,7 @@ from kl import KLController, kl_estimate, kl_penalty_rewards
 from losses import agg_loss, Clip, Counts, POLICY_LOSSES, rejection_mask, rollout_is_weights
 from data import load_prompts
 from rewards import check_data_sources, check_reward_inputs, rule_needing_truth, Scorer, validate
-from rollout import make_rollout
+from rollout import check_rollout, make_rollout, rollout_is_level
 from sampling import Sampler, step_seed
 
 CONSOLE_KEYS = ["score/mean", "reward/mean", "kl/mean", "policy/entropy", "policy/clipfrac", "loss/policy",
@@ -115,7 +126,7 @@ class ActorLoss:
         a, alg = cfg.actor, cfg.algorithm
         return cls(fwd, POLICY_LOSSES[a.policy_loss], Clip(a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c),
                    a.loss_agg_mode, a.loss_scale_factor or cfg.rollout.max_response_length, a.entropy_coef,
-                   alg.use_kl_loss, alg.kl_loss_coef, alg.kl_loss_type, alg.rollout_is, alg.rollout_is_threshold)
+                   alg.use_kl_loss, alg.kl_loss_coef, alg.kl_loss_type, rollout_is_level(cfg), alg.rollout_is_threshold)
 
     def __call__(self, policy, micro: dict, counts: Counts):
         mask = micro["loss_mask"].float()
@@ -229,6 +240,7 @@ def check_names(cfg) -> None:
     loads, never silently picking another; an estimator that compares a prompt's samples has more than one; and the
     keys that only work together do (infra/checks.check_combinations)."""
     check_combinations(cfg)
+    check_rollout(cfg)  # rollout.name is in rollout.KINDS, and that kind gives what the config asks of it
     for key, name, table in (("algorithm.adv_estimator", cfg.algorithm.adv_estimator, advantages.ESTIMATORS),
                              ("actor.policy_loss", cfg.actor.policy_loss, POLICY_LOSSES),
                              ("algorithm.kl_penalty", cfg.algorithm.kl_penalty, kl.ESTIMATORS),
@@ -323,7 +335,7 @@ def main(cfg: config.Config):
                                       sizes.critic_micro, cfg.critic.max_grad_norm)
 
     if t.val_before_train and val_rows and state.step == 0:
-        metrics = validate(cfg, rollout, tokenizer, scorer, val_rows, accelerator)
+        metrics = validate(cfg, sample.idle(), tokenizer, scorer, val_rows, accelerator)
         print0("validation before training: " + console_line(metrics, sorted(metrics)))
         logger.log(metrics, 0)
     if signum := stop_signal.received(accelerator):
@@ -404,10 +416,10 @@ def main(cfg: config.Config):
         for u in updates:
             u.scheduler.step()
 
-        # ---- 8. sync rollout weights: the next batch must come from the updated policy
+        # ---- 8. sync rollout weights, between generations: the next must come from the updated policy (departure 8)
         if update_actor:
             with timed(times, "time/sync_s"):
-                rollout.sync_weights(policy)
+                sample.sync_weights(policy, step - cfg.critic.warmup_steps)
 
         # ---- 9. log: means (maxima for *_max) over this process's batch and micro-batches, then over processes
         metrics.update({**batch_metrics(scores, token_rewards, lengths, truncated), "kl/coef": beta, **stats,
@@ -431,11 +443,11 @@ def main(cfg: config.Config):
 
         # validate (every test_freq steps, and at the end however it comes), keep the best, roll back, and log
         if val_rows and ((t.test_freq and step % t.test_freq == 0) or step == t.total_steps or stop_reason):
-            val_metrics = validate(cfg, rollout, tokenizer, scorer, val_rows, accelerator)
+            val_metrics = validate(cfg, sample.idle(), tokenizer, scorer, val_rows, accelerator)
             metrics.update(val_metrics)
             if t.best_metric and (rollback := keep_best(accelerator, cfg, val_metrics, state, checkpointed)):
                 print0(rollback)
-                rollout.sync_weights(policy)  # the next batch comes from best/'s weights
+                sample.sync_weights(policy, sample.version)  # the next batch comes from best/'s weights
         logger.log({**metrics, "train/rollbacks": state.rollbacks}, step)
         bar.set_postfix(score=f"{metrics['score/mean']:.3f}", kl=f"{metrics.get('kl/mean', 0):.4f}")
         print0(f"step {step}  " + console_line(metrics, CONSOLE_KEYS))
@@ -449,7 +461,7 @@ def main(cfg: config.Config):
         # ---- 10. checkpoint; SIGTERM (Slurm's preemption) or Ctrl-C ends the run here, and a rerun resumes
         signum = stop_signal.received(accelerator)
         if (t.save_freq and step % t.save_freq == 0) or step == t.total_steps or stop_reason or signum:
-            save_checkpoint(accelerator, t.output_dir, step, t.keep_checkpoints, checkpointed, state.state_dict())
+            save_checkpoint(accelerator, t.output_dir, step, t.keep_checkpoints, checkpointed, sample.saved(state))
         if signum:
             print0(f"stopped by {signal.Signals(signum).name} after step {step}, checkpoint saved; run the same "
                    f"command again to resume")
@@ -463,7 +475,7 @@ def main(cfg: config.Config):
     save_final(accelerator, policy, tokenizer, cfg)
     logger.close()
     accelerator.wait_for_everyone()
-    rollout.close()  # a vLLM engine destroys its process groups, and the launcher's
+    sample.close()  # a vLLM engine destroys its process groups, and the launcher's; a server child stops
     accelerator.end_training()  # the process group, where one is left
     return stop_reason
 
