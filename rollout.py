@@ -282,8 +282,7 @@ def make_rollout(cfg, model, tokenizer, accelerator, autocast_dtype=None, synced
             name = "hf"
     if name == "vllm":
         return VLLMRollout(cfg, model, tokenizer, unwrap=accelerator.unwrap_model)
-    if name == "server":
-        return ServerRollout(cfg, model, tokenizer, accelerator)
-    # synced_forwards (FSDP2): every process must run as many forwards as the one with the longest response
-    return HFRollout(accelerator.unwrap_model(model), tokenizer, cfg.rollout, autocast_dtype,
-                     synced_gpus=synced_forwards, device=accelerator.device)
+    if name == "hf":  # synced_forwards (FSDP2): every process runs as many forwards as the one with the longest response
+        return HFRollout(accelerator.unwrap_model(model), tokenizer, cfg.rollout, autocast_dtype,
+                         synced_gpus=synced_forwards, device=accelerator.device)
+    return KINDS[name](cfg, model, tokenizer, accelerator)  # every other kind: the common constructor

@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator, Optional
 
 import torch
+from safetensors.torch import save_file
 
 from infra.batches import autocast_dtype
 from infra.config import ConfigError
@@ -93,8 +94,6 @@ class Client:
 
 def save_weights(weights: Iterator, folder: str, shard_bytes: int = 2 << 30) -> None:
     """(name, tensor) pairs into folder/model-<i>.safetensors, a shard at a time (at most `shard_bytes` held)."""
-    from safetensors.torch import save_file
-
     os.makedirs(folder, exist_ok=True)
     shard, size, index = {}, 0, 0
     for name, w in weights:
@@ -230,15 +229,15 @@ class ServerRollout:
         dtype = cfg.model.dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype  # auto: as the trainer computes
         self.dtype = autocast_dtype(dtype) or torch.float32
         self.folder, self.pushes, self.process = os.path.join(cfg.trainer.output_dir, "rollout_weights"), 0, None
-        url = [cfg.rollout.server.url]
+        url = [cfg.rollout.server.url, f"policy-{os.getpid()}"]  # the url and this run's adapter names, from rank 0
         if accelerator.is_main_process and not url[0]:
             kv_bytes = kv_cache_bytes(self.unwrap(model).config, 256 * (cfg.data.max_prompt_length +
                                                                          cfg.rollout.max_response_length), self.dtype)
             self.process = ServerProcess(cfg, self.dtype, kv_bytes, os.path.join(cfg.trainer.output_dir,
                                                                                   "rollout_server.log"))
-            url = [self.process.url]
-        broadcast_object_list(url)  # the child's port, from rank 0
-        self.client = Client(url[0], cfg.rollout.server.max_concurrency)
+            url[0] = self.process.url
+        broadcast_object_list(url)
+        self.client, self.adapter = Client(url[0], cfg.rollout.server.max_concurrency), url[1]
         self.model_name = self.client.base
         self.sync_weights(model)  # so that a LoRA or resumed actor is what it samples from
 
@@ -270,23 +269,34 @@ class ServerRollout:
         old, folder = os.path.join(self.folder, str(self.pushes - 1)), os.path.join(self.folder, str(self.pushes))
         weights = adapter_weights(model) if self.lora else ((k, w.to(self.dtype)) for k, w in policy_weights(model))
         if self.accelerator.is_main_process:
-            save_weights(weights, folder)
-            if self.lora:
+            if self.lora:  # small: one file, where PEFT (and so vLLM) looks for it
+                os.makedirs(folder, exist_ok=True)
+                save_file(dict(weights), os.path.join(folder, "adapter_model.safetensors"))
                 model.peft_config[model.active_adapter].save_pretrained(folder)
-                self.client.load_adapter(f"policy-{self.pushes}", folder, previous=self.pushes > 1 and
-                                         f"policy-{self.pushes - 1}")
+                self.client.load_adapter(self.adapter_name(self.pushes), folder,
+                                         previous=self.pushes > 1 and self.adapter_name(self.pushes - 1))
             else:
+                save_weights(weights, folder)
                 self.client.reload_weights(folder)
             replace_folder(old, folder)
         else:
             for _ in weights:  # the gathers are collectives: every process walks the weights
                 pass
-        self.model_name = f"policy-{self.pushes}" if self.lora else self.client.base
+        self.model_name = self.adapter_name(self.pushes) if self.lora else self.client.base
         self.accelerator.wait_for_everyone()
 
+    def adapter_name(self, push: int) -> str:
+        """A new name per push (and per run): vLLM keys its prefix cache by adapter, so none is reused."""
+        return f"{self.adapter}-{push}"
+
     def close(self) -> None:
+        """The child stops; a server at rollout.server.url drops this run's adapter. The weight folders go."""
         if self.process is not None:
             self.process.stop()
+        elif self.lora and self.accelerator.is_main_process:
+            post(f"{self.client.url}/v1/unload_lora_adapter", {"lora_name": self.model_name})
+        if self.accelerator.is_main_process:
+            shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def adapter_weights(model):
