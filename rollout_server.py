@@ -247,8 +247,8 @@ class ServerRollout:
         cfg, greedy = self.cfg, temperature == 0
         budgets = max_tokens or [cfg.max_response_length] * len(prompts)
         requests = [dict(model=self.model_name, prompt=p, n=1 if greedy else n, temperature=temperature,
-                         top_p=cfg.top_p, top_k=cfg.top_k, max_tokens=budget, stop_token_ids=sorted(self.eos_ids),
-                         min_tokens=budget if cfg.ignore_eos else 0,  # as HF's
+                         top_p=cfg.top_p, top_k=max(cfg.top_k, 0), max_tokens=budget,
+                         stop_token_ids=sorted(self.eos_ids), min_tokens=budget if cfg.ignore_eos else 0,  # as HF's
                          logprobs=0, seed=prompt_seed, return_token_ids=True, skip_special_tokens=False)
                     for p, budget, prompt_seed in zip(prompts, budgets, prompt_seeds(seed, self.rank, len(prompts)))]
         responses, logprobs = [], []

@@ -64,12 +64,15 @@ def figures(name: str, out: str) -> dict:
             "phases": {key: median(key) for key in PHASES}, "steps": max(r["step"] for r in rows)}
 
 
-def timing_model(phases: dict, devices: int = 8, push_s: float = 0.0) -> list[str]:
+def timing_model(phases: dict, devices: int = 8) -> list[str]:
     """The step time of a node of `devices` GPUs from the synchronous run's phases: G = generation, T = the rest
     of a step but the weight sync. Colocated and synchronous, every device does both in turn: G + T + sync. Split, g
     devices generate one step ahead while devices − g train: max(G·(N/g)^a, T·(N/(N − g))^b) + push, at the best g,
-    where a phase on d of the N devices takes (N/d)^exponent times its time on all N (1 = linear scaling)."""
-    gen = phases["time/gen_s"]
+    where a phase on d of the N devices takes (N/d)^exponent times its time on all N (1 = linear scaling; below 1
+    where fewer devices run it more efficiently, as decoding does with larger batches per device), and the push
+    between devices costs what the colocated sync did (both move every weight once). Assumed, not measured: the
+    exponents, and that the phases' ratio on GPUs is the CPU's."""
+    gen, push_s = phases["time/gen_s"], phases["time/sync_s"]
     rest = sum(v for k, v in phases.items() if k not in ("time/gen_s", "time/gen_wait_s", "time/sync_s"))
     sync_step = gen + rest + phases["time/sync_s"]
     lines = [f"G = {gen:.2f} s, T = {rest:.2f} s, sync = {phases['time/sync_s']:.2f} s: colocated synchronous "
