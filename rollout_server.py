@@ -46,15 +46,18 @@ def kv_cache_bytes(config, tokens: int, dtype: torch.dtype) -> int:
 
 
 def post(url: str, body: dict, timeout: float = 600.0) -> dict:
-    """POST `body` as JSON; the JSON answer ({} when empty). An HTTP error raises RuntimeError with the server's
-    words."""
+    """POST `body` as JSON; the JSON answer ({"text": …} where it is plain text, as /v1/load_lora_adapter's). An HTTP
+    error raises RuntimeError with the server's words."""
     request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as reply:
             data = reply.read()
     except urllib.error.HTTPError as e:
         raise RuntimeError(f"the rollout server answered {url} with {e.code}: {e.read().decode()[:500]}") from None
-    return json.loads(data) if data.strip() else {}
+    try:
+        return json.loads(data)
+    except ValueError:
+        return {"text": data.decode(errors="replace")}
 
 
 def served_model(url: str) -> str:
@@ -269,6 +272,7 @@ class ServerRollout:
         old, folder = os.path.join(self.folder, str(self.pushes - 1)), os.path.join(self.folder, str(self.pushes))
         weights = adapter_weights(model) if self.lora else ((k, w.to(self.dtype)) for k, w in policy_weights(model))
         if self.accelerator.is_main_process:
+            shutil.rmtree(folder, ignore_errors=True)  # the server reads every *.safetensors there
             if self.lora:  # small: one file, where PEFT (and so vLLM) looks for it
                 os.makedirs(folder, exist_ok=True)
                 save_file(dict(weights), os.path.join(folder, "adapter_model.safetensors"))

@@ -45,7 +45,7 @@ def config(root, *overrides):
     from infra.cli import load_config
     return load_config(os.path.join(REPO, "configs.yaml"), [
         f"model.path={root}/model", "rollout.name=server", "model.dtype=fp32", "rollout.dtype=fp32",
-        "rollout.max_response_length=8", "data.max_prompt_length=64", "model.lora_rank=8",
+        "rollout.max_response_length=8", "data.max_prompt_length=128", "model.lora_rank=8",
         "model.target_modules=q_proj,v_proj", f"trainer.output_dir={root}/pushes", *overrides])
 
 
@@ -126,7 +126,7 @@ def ppo_args(root, url, out, *overrides):
     return ["ppo.py", "--config", "configs.yaml", f"model.path={root}/model", f"data.train_files={root}/train.parquet",
             f"data.val_files={root}/val.parquet", f"reward.function={root}/reward.py:compute_score",
             "rollout.name=server", f"rollout.server.url={url}", "rollout.max_response_length=8",
-            "data.max_prompt_length=64", "data.train_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=4",
+            "data.max_prompt_length=128", "data.train_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=4",
             "trainer.total_steps=3", "trainer.save_freq=0", "trainer.test_freq=3", "trainer.sample_freq=0",
             "data.val_max_samples=4", "trainer.max_kl=0", "model.dtype=fp32", "rollout.dtype=fp32",
             "actor.optim.lr=1e-2", "model.lora_rank=8", "model.target_modules=q_proj,v_proj",
