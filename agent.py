@@ -3,7 +3,7 @@
     accelerate launch ppo.py --config examples/agent_calculator.yaml        # the demo (make agent)
     … rollout.multi_turn.enable=true rollout.multi_turn.tools=[path/to/tools.py:search]   # Hermes-format calls
 
-`AgentRollout` wraps a rollout backend (rollout.py: vLLM or HF) and runs up to `max_turns` assistant turns per
+`AgentRollout` wraps any rollout backend (rollout.KINDS) and runs up to `max_turns` assistant turns per
 sample. A turn ends at EOS; the tool calls written in it (PARSERS) run (run_tools), their answers are appended as tool
 messages through the tokenizer's chat template (ToolTemplate), and the model goes on from there: the next turn's
 prompt is the whole row so far, so vLLM's prefix cache holds the turns before it. Each response is one token row:
@@ -257,8 +257,8 @@ class AgentRollout:
         self.template = ToolTemplate(tokenizer)
         self.eos_ids = backend.eos_ids
 
-    def sync_weights(self, model) -> None:
-        self.backend.sync_weights(model)
+    def sync_weights(self, model, version: int = 0) -> None:
+        self.backend.sync_weights(model, version)
 
     def close(self) -> None:
         self.backend.close()
@@ -364,9 +364,11 @@ def check_multi_turn(cfg_rollout, tokenizer) -> Optional[TurnSettings]:
 
 def with_tools(backend, cfg_rollout, tokenizer):
     """`backend` itself, or with rollout.multi_turn on, an AgentRollout around it whose turns are counted over
-    every process."""
+    every process; not with rollout.steps_ahead, whose turns run in a thread beside the loop's collectives (a backend
+    that runs ahead has weights of its own and makes no collective call: rollout.check_rollout)."""
     settings = check_multi_turn(cfg_rollout, tokenizer)
-    return backend if settings is None else AgentRollout(backend, tokenizer, settings, max_over_processes)
+    reduce_max = (lambda count: count) if cfg_rollout.steps_ahead else max_over_processes
+    return backend if settings is None else AgentRollout(backend, tokenizer, settings, reduce_max)
 
 
 def with_conversations(rows: list[dict], ro: Rollout) -> list[dict]:

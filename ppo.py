@@ -10,8 +10,8 @@
 
 Each step: 1. sample prompts, 2. generate, 3. score, 4. old/ref logprobs and values,
 5. rewards = score − β·KL, 6. advantages, 7. PPO epochs, 8. sync rollout weights, 9. log,
-10. checkpoint. Steps 1–3 are sampling.py's (the rollout, the scores, dynamic sampling); the math is in the stage
-files beside this one (advantages.py, losses.py, kl.py, critic.py); the plumbing (command line, run folder,
+10. checkpoint. Steps 1–3 are sampling.py's (the rollout, the scores, dynamic sampling, running ahead); the math is in
+the stage files beside this one (advantages.py, losses.py, kl.py, critic.py); the plumbing (command line, run folder,
 processes, model loading, the optimiser step, forwards) is in infra/.
 
 How this departs from the textbook (Schulman et al., 2017; Ziegler et al., 2019):
@@ -33,6 +33,17 @@ How this departs from the textbook (Schulman et al., 2017; Ziegler et al., 2019)
    (verl, with one controller, pools the kept prompts of the whole batch).
 7. A rollback (trainer.rollback_tolerance) restores best/'s weights, optimiser states and β, but not the step, the
    data position, the LR schedule or the RNG: the run goes on with new prompts instead of replaying the same steps.
+8. With rollout.steps_ahead = k > 0 the batch of step t is generated when step t − k begins, from the policy then
+   (Samples.versions; rollout/staleness_mean|max; a batch older than k is refused), in one background thread while
+   the steps before it score and train; new weights reach the rollout between two generations, never during one
+   (sampling.Sampler.batch_ahead). The loss is decoupled PPO (Hilton et al., 2021; AReaL's decoupled loss, verl's
+   rollout correction): the ratio is clipped around π_old, the trainer's own log-probs at the weights before the
+   update (which departure 3's shortcut computes, so it stays), and the gap to the stale sampler is corrected by
+   algorithm.rollout_is, token-level by default (auto, as verl's TIS), so the sampler's log-probs are required.
+   The bound follows AReaL's max_head_offpolicyness, prime-rl's async level and TRL's max_staleness. Dynamic
+   sampling is refused (its rounds wait for scores); validation waits for the generation in flight; a checkpoint
+   keeps the data position of the first batch not yet trained, which a resumed run generates again, from the
+   checkpoint's weights: the same prompts and seeds, one version fresher than in the run that was stopped.
 
 Shapes: B sequences on this process (prompts × n), Tq prompt length, Tr response length, V vocab.
 
@@ -77,8 +88,10 @@ from infra.checks import check_combinations, check_sizes, rejection_band, Sizes
 from infra.config import ConfigError
 from infra.distributed import fsdp_from_launcher, make_accelerator, max_over_processes, use_cpu
 from infra.layouts import batch_layout
-from infra.metrics import check_loggers, console_line, reduce_metrics, sample_table, sum_over_processes, timed
-from infra.models import check_model_folders, check_teacher, load_models, load_teacher, policy_tokenizer
+from infra.metrics import (batch_metrics, check_loggers, console_line, reduce_metrics, sample_table,
+                           sum_over_processes, timed)
+from infra.models import (check_model_folders, check_teacher, load_models, load_teacher, policy_tokenizer,
+                          set_train_mode)
 from infra.optim import make_optimizer, StopAtMicroBatch, train_step
 from infra.runs import check_learning, Interrupted, save_checkpoint, start_run, StopSignal
 from infra.train_state import keep_best, resume, save_final, TrainState
@@ -87,7 +100,7 @@ from kl import KLController, kl_estimate, kl_penalty_rewards
 from losses import agg_loss, Clip, Counts, POLICY_LOSSES, rejection_mask, rollout_is_weights
 from data import load_prompts
 from rewards import check_data_sources, rule_needing_truth
-from rollout import make_rollout
+from rollout import check_rollout, make_rollout, rollout_is_level
 from sampling import add_token_rewards, Sampler, shown_samples, step_seed
 from scorers import check_reward_inputs, Scorer
 from validation import check_best_metric, validate
@@ -123,7 +136,7 @@ class ActorLoss:
         a, alg, teacher = cfg.actor, cfg.algorithm, cfg.algorithm.teacher
         return cls(fwd, POLICY_LOSSES[a.policy_loss], Clip(a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c),
                    a.loss_agg_mode, a.loss_scale_factor or cfg.rollout.max_response_length, a.entropy_coef,
-                   alg.use_kl_loss, alg.kl_loss_coef, alg.kl_loss_type, alg.rollout_is, alg.rollout_is_threshold,
+                   alg.use_kl_loss, alg.kl_loss_coef, alg.kl_loss_type, rollout_is_level(cfg), alg.rollout_is_threshold,
                    teacher.coef if teacher.path and teacher.mode == "loss" else 0.0, teacher.kl_estimator)
 
     def __call__(self, policy, micro: dict, counts: Counts):
@@ -233,23 +246,6 @@ def teacher_logprobs(teacher, micro, fwd: Forward):
     return dataclasses.replace(fwd, trunk=None).logprobs(teacher, micro)[0]
 
 
-def set_train_mode(models: list, on: bool) -> None:
-    """Train mode for the updates, eval mode for the no-grad passes. That only switches gradient checkpointing
-    (transformers recomputes only in train mode), since every dropout is 0 (these configs' attention_dropout,
-    lora_dropout's default, the critic's head); a lora_dropout > 0 would make the first epoch's ratio differ from 1."""
-    for model in models:
-        if model is not None:
-            model.train(on)
-
-
-def batch_metrics(scores, token_rewards, lengths, truncated) -> dict:
-    """Means over this process's batch: scores (B,), the summed token rewards (B, Tr), response lengths (B,), and
-    the share of responses cut off at max_response_length."""
-    return {"score/mean": scores.mean().item(), "score/max": scores.max().item(), "score/min": scores.min().item(),
-            "reward/mean": token_rewards.sum(1).mean().item(), "response/length_mean": lengths.float().mean().item(),
-            "response/clip_ratio": truncated.float().mean().item()}
-
-
 def guards(t, state, metrics: dict) -> tuple[Optional[str], Optional[str]]:
     """(why to stop, or None; a warning, or None): the mean kl/mean of the last trainer.max_kl_window steps (kept in
     state.recent_kl, this step's added) above trainer.max_kl, or policy/entropy below trainer.min_entropy (a stop or
@@ -270,6 +266,7 @@ def check_names(cfg) -> None:
     loads, never silently picking another; an estimator that compares a prompt's samples has more than one (and is
     warned about greedy ones); and the keys that only work together do (infra/checks.check_combinations)."""
     check_combinations(cfg)
+    check_rollout(cfg)  # rollout.name is in rollout.KINDS, and that kind gives what the config asks of it
     for key, name, table in (("algorithm.adv_estimator", cfg.algorithm.adv_estimator, advantages.ESTIMATORS),
                              ("actor.policy_loss", cfg.actor.policy_loss, POLICY_LOSSES),
                              ("algorithm.kl_penalty", cfg.algorithm.kl_penalty, kl.ESTIMATORS),
@@ -396,7 +393,7 @@ def main(cfg: config.Config):
                                       "response_mask", sizes.critic_micro, cfg.critic.max_grad_norm)
 
     if t.val_before_train and val_rows and state.step == 0:
-        metrics = validate(cfg, rollout, tokenizer, scorer, val_rows, accelerator)
+        metrics = validate(cfg, sample.idle(), tokenizer, scorer, val_rows, accelerator)
         print0("validation before training: " + console_line(metrics, sorted(metrics)))
         logger.log(metrics, 0)
     if signum := stop_signal.received(accelerator):
@@ -415,7 +412,7 @@ def main(cfg: config.Config):
         lengths = batch.get("response_attention_mask", response_mask).sum(1)  # (B,) tokens, EOS and tool answers too
         tok_lengths = (batch["query_mask"].sum(1) + lengths).tolist()  # (B,) real tokens, for token budgets
 
-        # ---- 4. old/ref logprobs and values: no grad, micro-batched, in eval mode (set_train_mode says why)
+        # ---- 4. old/ref logprobs and values: no grad, micro-batched, in eval mode (see set_train_mode)
         set_train_mode([policy, critic], False)
         no_grad_pass = functools.partial(per_token_pass, batch=batch, max_tokens=sizes.max_tokens, lengths=tok_lengths,
                                          size=cfg.actor.log_prob_micro_batch_size_per_device, device=device,
@@ -481,10 +478,10 @@ def main(cfg: config.Config):
         for u in updates:
             u.scheduler.step()
 
-        # ---- 8. sync rollout weights: the next batch must come from the updated policy
+        # ---- 8. sync rollout weights, between generations: the next must come from the updated policy (departure 8)
         if update_actor and not cut.signum:
             with timed(times, "time/sync_s"):
-                rollout.sync_weights(policy)
+                sample.sync_weights(policy, step - cfg.critic.warmup_steps)
 
         # ---- 9. log: means (maxima for *_max) over this process's batch and micro-batches, then over processes
         metrics.update({**batch_metrics(scores, token_rewards, lengths, truncated), "kl/coef": beta, **stats,
@@ -509,11 +506,11 @@ def main(cfg: config.Config):
         # validate (every test_freq steps, and at the end however it comes), keep the best, roll back, and log
         if val_rows and not cut.signum and ((t.test_freq and step % t.test_freq == 0) or step == t.total_steps
                                             or stop_reason):
-            val_metrics = validate(cfg, rollout, tokenizer, scorer, val_rows, accelerator)
+            val_metrics = validate(cfg, sample.idle(), tokenizer, scorer, val_rows, accelerator)
             metrics.update(val_metrics)
             if t.best_metric and (rollback := keep_best(accelerator, cfg, val_metrics, state, checkpointed)):
                 print0(rollback)
-                rollout.sync_weights(policy)  # the next batch comes from best/'s weights
+                sample.sync_weights(policy, sample.version)  # the next batch comes from best/'s weights
         logger.log({**metrics, "train/rollbacks": state.rollbacks}, step)
         bar.set_postfix(score=f"{metrics['score/mean']:.3f}", kl=f"{metrics.get('kl/mean', 0):.4f}")
         print0(f"step {step}  " + console_line(metrics, CONSOLE_KEYS))
@@ -526,7 +523,7 @@ def main(cfg: config.Config):
         # ---- 10. checkpoint; SIGTERM (Slurm's preemption) or Ctrl-C ends the run here, and a rerun resumes
         signum = stop_signal.received(accelerator)
         if (t.save_freq and step % t.save_freq == 0) or step == t.total_steps or stop_reason or signum:
-            save_checkpoint(accelerator, t.output_dir, step, t.keep_checkpoints, checkpointed, state.state_dict())
+            save_checkpoint(accelerator, t.output_dir, step, t.keep_checkpoints, checkpointed, sample.saved(state))
         if signum:
             print0(f"stopped by {signal.Signals(signum).name} after step {step}, checkpoint saved"
                    f"{' (its updates cut short at a micro-batch)' * bool(cut.signum)}; run the same command to resume")
@@ -540,7 +537,7 @@ def main(cfg: config.Config):
     save_final(accelerator, policy, tokenizer, cfg)
     logger.close()
     accelerator.wait_for_everyone()
-    rollout.close()  # a vLLM engine destroys its process groups, and the launcher's
+    sample.close()  # a vLLM engine destroys its process groups, and the launcher's; a server child stops
     accelerator.end_training()  # the process group, where one is left
     return stop_reason
 

@@ -1,137 +1,50 @@
-"""Rollout backends: sample `n` responses per prompt from the current policy.
+"""Rollout backends: sample `n` responses per prompt from the current policy. Every backend is one class with one
+protocol, and one line of KINDS (rollout.name):
 
-Both backends return the same `Rollout`, row `i·n + j` holding sample j of prompt i:
+    generate(prompts, n, temperature, seed=None, max_tokens=None) -> Rollout   # steps 2 (and the validation's)
+    sync_weights(model, version)       # the actor's weights after `version` updates; never during a generate call
+    close()                            # at the end (a vLLM engine's process groups, a server child)
+    eos_ids                            # every id that ends a response
+    gives_logprobs, runs_apart         # class attributes read at start-up (check_rollout): the sampler's logprobs;
+                                       # weights of its own, so that generation may run ahead (rollout.steps_ahead)
+
+Each returns the same `Rollout`, row `i·n + j` holding sample j of prompt i:
     responses      (B·n, Tr)  token ids, right-padded with the tokenizer's pad id (a tokenizer from
                               infra.models.load_tokenizer, which makes EOS the pad where there is none)
     response_mask  (B·n, Tr)  1 = a real response token (the EOS included), 0 = padding
     logprobs       (B·n, Tr)  the sampler's log-probabilities, or None where the backend has none
-and, from multi-turn rollouts (agent.py, which wraps these backends), an attention mask (1 on the tool answers too,
+and, from multi-turn rollouts (agent.py, which wraps any backend), an attention mask (1 on the tool answers too,
 where response_mask is 0), each sample's conversation and agent/* metrics.
 
-`ppo.py` calls `make_rollout(...)` once, then `generate(...)` every step and `sync_weights(...)`
-after every optimiser step that changed the policy, and `close()` at the end. vLLM is imported only when its backend
-is made (it is optional, and its environment must be set first: make_rollout).
+`ppo.py` calls `make_rollout(...)` once, then `generate(...)` every step (through sampling.Sampler) and
+`sync_weights(...)` after every step that changed the policy, and `close()` at the end. vLLM is imported only when its
+backend is made (it is optional, and its environment must be set first: make_rollout). The server backend's process,
+requests and weight pushes are rollout_server.py's.
 """
+import importlib.util
 import logging
 import os
-import random
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
 from infra.batches import autocast_dtype
 from infra.config import ConfigError
-from infra.distributed import max_over_processes, whole
-
-
-@dataclass
-class Rollout:
-    responses: torch.Tensor  # (B·n, Tr)
-    response_mask: torch.Tensor  # (B·n, Tr) 1 = a token the policy sampled
-    logprobs: Optional[torch.Tensor] = None  # (B·n, Tr)
-    attention_mask: Optional[torch.Tensor] = None  # (B·n, Tr) 1 = any real token, tool answers included; None: as
-    #                                                response_mask (one turn)
-    conversations: Optional[list[dict]] = None  # per row: turns, tool_calls, tool_results, num_turns (agent.py)
-    metrics: dict = field(default_factory=dict)  # agent/* (agent.py)
-    token_rewards: Optional[torch.Tensor] = None  # (B·n, Tr) rewards given during the rollout (an environment's, per
-    #                                               turn at its last token), which the Sampler adds to the scorers'
-
-
-@dataclass
-class Samples:
-    """Prompts with their n responses and scores: row i·n + j is sample j of the prompt rows[i·n]."""
-    rows: list  # (B,) the prompts' data rows, each n times
-    responses: torch.Tensor  # (B, Tr) right-padded
-    response_mask: torch.Tensor  # (B, Tr)
-    rollout_logprobs: Optional[torch.Tensor]  # (B, Tr) the sampler's, or None
-    texts: list  # (B,) the decoded responses
-    scores: torch.Tensor  # (B,) the task scores, length shaping included
-    truncated: torch.Tensor  # (B,) bool: cut off at rollout.max_response_length without EOS
-    attention_mask: Optional[torch.Tensor] = None  # (B, Tr) multi-turn: 1 on the tool answers too (Rollout's)
-    token_rewards: Optional[torch.Tensor] = None  # (B, Tr) the scorers' and the rollout's token rewards, or None
-    extras: list = field(default_factory=list)  # (B,) per sample, the scorers' rewards.Scores.extras ("pred" …)
-
-    def as_batch(self, pad_id: int) -> dict:
-        """ppo.py's batch of step 2: queries and query_mask (B, Tq), left-padded; responses, response_mask and, where
-        the sampler gave them, rollout_logprobs (B, Tr); with multi-turn response_attention_mask (B, Tr)."""
-        queries, query_mask = left_pad([row["prompt_ids"] for row in self.rows], pad_id)  # (B, Tq)
-        batch = dict(queries=queries, query_mask=query_mask, responses=self.responses, response_mask=self.response_mask)
-        if self.rollout_logprobs is not None:
-            batch["rollout_logprobs"] = self.rollout_logprobs
-        if self.attention_mask is not None:  # multi-turn: the tool answers, which the forwards attend to
-            batch["response_attention_mask"] = self.attention_mask
-        return batch
-
-    def take(self, rows: list[int]) -> "Samples":
-        return Samples(*[None if v is None else [v[i] for i in rows] if isinstance(v, list) else v[rows]
-                         for v in vars(self).values()])
-
-    @staticmethod
-    def cat(parts: list, pad_id: int) -> "Samples":
-        """All rows of `parts`, in order; the (B, Tr) tensors right-padded to the longest (masks, logprobs with 0)."""
-        T = max(p.responses.shape[1] for p in parts)
-
-        def padded(name, value):  # a part without token rewards has zeros where another has some
-            tensors = [getattr(p, name) for p in parts]
-            if all(x is None for x in tensors):
-                return None
-            tensors = [torch.zeros(p.responses.shape) if x is None else x for p, x in zip(parts, tensors)]
-            return torch.cat([torch.nn.functional.pad(x, (0, T - x.shape[1]), value=value) for x in tensors])
-        return Samples([row for p in parts for row in p.rows], padded("responses", pad_id),
-                       padded("response_mask", 0), padded("rollout_logprobs", 0.0), [x for p in parts for x in p.texts],
-                       torch.cat([p.scores for p in parts]), torch.cat([p.truncated for p in parts]),
-                       padded("attention_mask", 0), padded("token_rewards", 0.0),
-                       [x for p in parts for x in p.extras])
-
-
-def right_pad(seqs: list[list], pad, dtype=torch.long) -> tuple[torch.Tensor, torch.Tensor]:
-    """Lists → (values, mask), both (B, T), T ≥ 1, padded on the right with `pad`; mask 1 = a real entry."""
-    T = max(1, max((len(s) for s in seqs), default=0))
-    values = torch.full((len(seqs), T), pad, dtype=dtype)
-    mask = torch.zeros((len(seqs), T), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        values[i, :len(s)] = torch.tensor(s, dtype=dtype)
-        mask[i, :len(s)] = 1
-    return values, mask
-
-
-def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token lists → (ids, mask), both (B, T), padded on the left so that every row ends together:
-    right padding of the reversed lists, reversed."""
-    ids, mask = right_pad([s[::-1] for s in seqs], pad_id)
-    return ids.flip(1), mask.flip(1)
-
-
-def cut_at_eos(tokens: list[int], eos_ids: set[int]) -> list[int]:
-    """Keep tokens up to and including the first EOS (generate pads finished rows with more)."""
-    for t, tok in enumerate(tokens):
-        if tok in eos_ids:
-            return tokens[:t + 1]
-    return tokens
-
-
-def cut_off(responses, lengths, max_length: int, eos_ids) -> torch.Tensor:
-    """(B,) bool: the responses that reached max_length tokens without ending in an EOS."""
-    last_tokens = responses[torch.arange(len(responses)), (lengths - 1).clamp(min=0)]  # (B,)
-    return (lengths == max_length) & ~torch.isin(last_tokens, torch.tensor(sorted(eos_ids)))
-
-
-def eos_ids_of(tokenizer, model_config=None) -> set[int]:
-    """Every id that ends a response: the tokenizer's EOS and the model's generation EOS ids."""
-    ids = {tokenizer.eos_token_id}
-    eos = getattr(getattr(model_config, "generation_config", None), "eos_token_id", None)
-    ids |= set(eos if isinstance(eos, list) else [eos])
-    return {i for i in ids if i is not None}
+from infra.distributed import max_over_processes
+from infra.rollout_common import (cut_at_eos, cut_off, eos_ids_of, left_pad, policy_weights,  # noqa: F401 (the
+                                  prompt_seeds, right_pad, Rollout)  # protocol's record and rows, read from here too)
+from rollout_server import kv_cache_bytes, ServerRollout
 
 
 class HFRollout:
     """`model.generate` on the training model itself, batched and left-padded.
 
-    It samples from the very weights being trained, so `sync_weights` has nothing to do. `device` is where it
-    computes (the accelerator's): under FSDP2's CPU offload the parameters live in host memory.
+    It samples from the very weights being trained, so `sync_weights` has nothing to do, and it cannot run ahead of
+    them. `device` is where it computes (the accelerator's): under FSDP2's CPU offload the parameters live in host
+    memory.
     """
+    gives_logprobs, runs_apart = False, False
 
     def __init__(self, model, tokenizer, cfg, autocast_dtype=None, synced_gpus=False, device=None):
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
@@ -174,41 +87,11 @@ class HFRollout:
         responses, response_mask = right_pad(responses, self.pad_id)  # (B·n, Tr) each
         return Rollout(responses, response_mask, None)
 
-    def sync_weights(self, model) -> None:
+    def sync_weights(self, model, version: int = 0) -> None:
         pass
 
     def close(self) -> None:
         pass
-
-
-def policy_weights(model):
-    """The policy's weights one at a time, whole, under the plain checkpoint's names: (name, tensor) for an engine.
-
-    Streamed (issue 22): besides the engine's own copy, one gathered weight exists at a time (with LoRA: W, B and A of
-    one layer), not the whole model at once. FSDP2 shards each parameter as a DTensor, gathered here as it comes
-    (`whole`: a collective, and every process walks the state dict in the same order). With LoRA the policy's weight
-    is W + s·B·A, s = α/r (Hu et al., 2021, eq. 3), formed here, so the training model is never merged and unmerged.
-    """
-    state = model.state_dict()  # the parameters themselves (FSDP2: their shards), no copies
-    for key, w in state.items():
-        if ".lora_" in key:
-            continue
-        w = whole(w)
-        if key.endswith(".base_layer.weight"):  # PEFT's LoraLayer: W is frozen in base_layer, B·A beside it
-            name = key.removesuffix(".base_layer.weight")
-            layer = model.get_submodule(name)
-            if not getattr(layer, "merged", False):
-                for a in layer.active_adapters:
-                    B, A = (whole(state[f"{name}.lora_{m}.{a}.weight"]) for m in "BA")  # (out, r), (r, in)
-                    w = w + layer.scaling[a] * (B @ A)
-        yield key.removeprefix("base_model.model.").replace(".base_layer.", "."), w
-
-
-def kv_cache_bytes(config, tokens: int, dtype: torch.dtype) -> int:
-    """Bytes of keys and values for `tokens` positions: 2 · layers · kv_heads · head_dim · itemsize each."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return 2 * config.num_hidden_layers * kv_heads * head_dim * dtype.itemsize * tokens
 
 
 class ExpectedVllmWarnings(logging.Filter):
@@ -240,6 +123,7 @@ class VLLMRollout:
     as verl does; vLLM's CPU backend has no sleep mode, so there it stays awake. Awake, the engine holds
     rollout.gpu_memory_utilization × the device's memory (weights and KV cache) for the whole run.
     """
+    gives_logprobs, runs_apart = True, True
 
     def __init__(self, cfg, model, tokenizer, unwrap=lambda m: m):
         from vllm import LLM
@@ -292,16 +176,14 @@ class VLLMRollout:
             self.llm.reset_prefix_cache()
             self.stale_prefix_cache = False
         cfg, greedy = self.cfg, temperature == 0
-        # vLLM seeds sample j of a request with seed_i + j; drawing each prompt's seed_i from (`seed`, rank) makes
-        # the same call return the same samples, and ranks draw different ones.
-        rng = random.Random(f"{seed}/{self.rank}")
+        seeds = prompt_seeds(seed, self.rank, len(prompts))
         params = [SamplingParams(n=1 if greedy else n, temperature=temperature, top_p=cfg.top_p,
                                  top_k=max(cfg.top_k, 0), max_tokens=budget,
                                  stop_token_ids=sorted(self.eos_ids), detokenize=False,
                                  min_tokens=budget if cfg.ignore_eos else 0,  # as HF's
                                  logprobs=0,  # the sampled token's logprob, no alternatives
-                                 seed=None if seed is None else rng.randrange(2**31))
-                  for budget in max_tokens or [cfg.max_response_length] * len(prompts)]
+                                 seed=prompt_seed)
+                  for budget, prompt_seed in zip(max_tokens or [cfg.max_response_length] * len(prompts), seeds)]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         responses, logprobs = [], []
         for out in outputs:  # in prompt order; row i·n + j = sample j of prompt i
@@ -318,7 +200,7 @@ class VLLMRollout:
         return Rollout(responses, response_mask, logprobs)
 
     @torch.no_grad()
-    def sync_weights(self, model) -> None:
+    def sync_weights(self, model, version: int = 0) -> None:
         """Copy the actor's current weights into the engine, and forget KV computed with the old ones.
         The weights stream in one at a time (policy_weights), each in the engine's dtype as it comes: vLLM's in-place
         reload takes an iterator, and this process's engine consumes it here (VLLM_ENABLE_V1_MULTIPROCESSING=0).
@@ -344,8 +226,42 @@ class VLLMRollout:
         self.llm.llm_engine.engine_core.shutdown()
 
 
+# rollout.name → its backend; gives_logprobs and runs_apart decide the start-up checks (check_rollout)
+KINDS = {"hf": HFRollout, "vllm": VLLMRollout, "server": ServerRollout}
+
+
+def check_rollout(cfg) -> None:
+    """Before anything loads: rollout.name is a kind, and what asks for the sampler's logprobs or for a rollout
+    that runs ahead has one that gives them."""
+    ro, alg = cfg.rollout, cfg.algorithm
+    if ro.name not in KINDS:
+        raise ConfigError(f"rollout.name={ro.name!r} is not one of {', '.join(KINDS)}")
+    kind, missing = KINDS[ro.name], ro.name == "vllm" and importlib.util.find_spec("vllm") is None
+    asked = [f"algorithm.{key}={getattr(alg, key)}" for key in ("rollout_is", "rollout_rs")
+             if getattr(alg, key) not in ("off", "auto")]
+    if ro.steps_ahead and not kind.runs_apart:
+        raise ConfigError(f"rollout.steps_ahead={ro.steps_ahead} needs a rollout with weights of its own, and "
+                          f"rollout.name={ro.name} samples from the training weights: use rollout.name=vllm or server")
+    if ro.steps_ahead and alg.filter_groups.enable:
+        raise ConfigError(f"algorithm.filter_groups decides each step's generate rounds by their scores, which a "
+                          f"batch generated rollout.steps_ahead={ro.steps_ahead} steps early cannot wait for: turn "
+                          f"one of them off")
+    if (asked or ro.steps_ahead) and (not kind.gives_logprobs or missing):
+        why = "vLLM is not installed" if missing else f"rollout.name is {ro.name}"
+        raise ConfigError(f"{' and '.join(asked) or f'rollout.steps_ahead={ro.steps_ahead}'} corrects by the "
+                          f"sampler's own logprobs, which only rollout.name=vllm or server gives ({why}); use one of "
+                          f"them, or set {' and '.join(a.split('=')[0] for a in asked) or 'it to 0'} to off")
+
+
+def rollout_is_level(cfg) -> str:
+    """algorithm.rollout_is with auto resolved: token when the rollout runs ahead (ppo.py's departure 8), else off."""
+    if cfg.algorithm.rollout_is != "auto":
+        return cfg.algorithm.rollout_is
+    return "token" if cfg.rollout.steps_ahead else "off"
+
+
 def make_rollout(cfg, model, tokenizer, accelerator, autocast_dtype=None, synced_forwards: bool = False):
-    """The backend named by `cfg.rollout.name`; vLLM falls back to HF, with one warning, where it is missing."""
+    """The backend named by `cfg.rollout.name` (KINDS); vLLM falls back to HF, with one warning, where it is missing."""
     name = cfg.rollout.name
     if name == "vllm":
         # Before vLLM is imported: keep its engine in this process (so weights pass by reference, and sync_weights
@@ -360,7 +276,7 @@ def make_rollout(cfg, model, tokenizer, accelerator, autocast_dtype=None, synced
         try:
             import vllm  # noqa: F401
         except ImportError as e:
-            if (cfg.algorithm.rollout_is, cfg.algorithm.rollout_rs) != ("off", "off"):
+            if (rollout_is_level(cfg), cfg.algorithm.rollout_rs) != ("off", "off"):
                 raise ConfigError(f"algorithm.rollout_is / rollout_rs need the sampler's logprobs, and vLLM cannot be "
                                   f"imported ({e}): repair vLLM, or turn both off") from None
             if accelerator.is_main_process:
@@ -368,6 +284,7 @@ def make_rollout(cfg, model, tokenizer, accelerator, autocast_dtype=None, synced
             name = "hf"
     if name == "vllm":
         return VLLMRollout(cfg, model, tokenizer, unwrap=accelerator.unwrap_model)
-    # synced_forwards (FSDP2): every process must run as many forwards as the one with the longest response
-    return HFRollout(accelerator.unwrap_model(model), tokenizer, cfg.rollout, autocast_dtype,
-                     synced_gpus=synced_forwards, device=accelerator.device)
+    if name == "hf":  # synced_forwards (FSDP2): every process runs as many forwards as the one with the longest response
+        return HFRollout(accelerator.unwrap_model(model), tokenizer, cfg.rollout, autocast_dtype,
+                         synced_gpus=synced_forwards, device=accelerator.device)
+    return KINDS[name](cfg, model, tokenizer, accelerator)  # every other kind: the common constructor

@@ -1,7 +1,6 @@
 """The checks of a config that need more than one key, before any model loads: ppo.py's derived batch sizes
 (check_sizes) and the settings that cannot work together (check_combinations); validation.check_best_metric
 checks trainer.best_metric. One key's type and range are infra/cli.py's."""
-import importlib.util
 from dataclasses import dataclass
 
 from infra.config import ConfigError
@@ -46,13 +45,7 @@ def check_sizes(cfg, world: int, num_rows: int) -> Sizes:
 
 def check_combinations(cfg) -> None:
     """ppo.py's settings that cannot work together fail here, before anything loads, one sentence each."""
-    alg, ro, t = cfg.algorithm, cfg.rollout, cfg.trainer
-    asked = [f"algorithm.{key}={getattr(alg, key)}" for key in ("rollout_is", "rollout_rs")
-             if getattr(alg, key) != "off"]
-    if asked and (ro.name == "hf" or importlib.util.find_spec("vllm") is None):
-        raise ConfigError(f"{' and '.join(asked)} corrects by the sampler's own logprobs, which only rollout.name=vllm "
-                          f"gives ({'rollout.name is hf' if ro.name == 'hf' else 'vLLM is not installed'}); "
-                          f"use rollout.name=vllm, or set {' and '.join(a.split('=')[0] for a in asked)} to off")
+    alg, ro, t = cfg.algorithm, cfg.rollout, cfg.trainer  # the rollout kind's own checks: rollout.check_rollout
     low, high = rejection_band(alg)
     if low >= high:
         lower = (f"algorithm.rollout_rs_threshold_lower={low:g}" if alg.rollout_rs_threshold_lower else

@@ -95,9 +95,35 @@ class MultiTurnConfig:
 
 
 @dataclass
+class ServerConfig:
+    url: Optional[str] = None
+    """rollout.name=server: the OpenAI-compatible vLLM server to use, e.g. http://127.0.0.1:8000 (started with
+    VLLM_SERVER_DEV_MODE=1, and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True plus --enable-lora for a LoRA actor); null =
+    ppo.py starts one as its child, logging to output_dir/rollout_server.log, and stops it with the run"""
+    cpus: str = ""
+    """the child server's CPU cores, as taskset writes them (e.g. 1 or 2-3; its OpenMP threads are bound to them);
+    empty = every core"""
+    devices: str = ""
+    """the child server's GPUs (its CUDA_VISIBLE_DEVICES, e.g. 1); empty = as this process sees them"""
+    start_timeout_s: float = 600.0
+    """seconds the child server may take to answer its first request"""
+    max_concurrency: int = 64
+    """requests (one per prompt) in flight at once from each process"""
+
+
+@dataclass
 class RolloutConfig:
-    name: Literal["vllm", "hf"] = "vllm"
-    """generation backend; falls back to hf (with a warning) where vLLM cannot be imported"""
+    name: str = "vllm"
+    """generation backend, a name in rollout.KINDS: vllm (an engine in each training process), hf (generate on the
+    training model itself), server (a vLLM server process: rollout.server.*); vllm falls back to hf (with a
+    warning) where vLLM cannot be imported"""
+    steps_ahead: int = 0
+    """generate each step's batch this many steps before it trains, from the policy as it was then, in a background
+    thread while the steps before it train (ppo.py's departure 8); 0 = the synchronous loop. A batch is never older
+    than this (rollout/staleness_max); needs a backend with its own weights (vllm or server)"""
+    background: bool = True
+    """with steps_ahead > 0, generate in the background thread; false generates the same batches from the same
+    weights in turn, without overlap (to debug, and to check that the thread changes nothing)"""
     n: int = 8
     """samples per prompt"""
     temperature: float = 1.0
@@ -129,6 +155,8 @@ class RolloutConfig:
     """vLLM's own logging (INFO prints its engine set-up); the environment's VLLM_LOGGING_LEVEL wins when set"""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """tool calls between assistant turns (agent.py)"""
+    server: ServerConfig = field(default_factory=ServerConfig)
+    """rollout.name=server: the vLLM server process"""
 
 
 @dataclass

@@ -73,15 +73,16 @@ class AlgorithmConfig:
     """KL estimator for the KL loss, a name in kl.ESTIMATORS"""
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     """dynamic sampling"""
-    rollout_is: Literal["off", "token", "sequence", "sequence_mean"] = "off"
-    """truncated importance sampling for the sampler/trainer gap (needs the sampler's logprobs: rollout.name=vllm):
-    the policy loss × min(ρ, rollout_is_threshold), ρ = π_old/π_rollout per token, per response (the product), or
-    per response length-normalised (the geometric mean); off still logs the token weights"""
+    rollout_is: Literal["auto", "off", "token", "sequence", "sequence_mean"] = "auto"
+    """truncated importance sampling for the sampler/trainer gap (needs the sampler's logprobs: rollout.name=vllm or
+    server): the policy loss × min(ρ, rollout_is_threshold), ρ = π_old/π_rollout per token, per response (the
+    product), or per response length-normalised (the geometric mean); off still logs the token weights; auto =
+    token when rollout.steps_ahead > 0 (ppo.py's departure 8), else off"""
     rollout_is_threshold: float = 2.0
     """upper bound of the rollout importance weight"""
     rollout_rs: Literal["off", "token", "sequence", "sequence_mean"] = "off"
-    """rollout rejection sampling (verl's rollout_rs token_k1 / seq_sum_k1 / seq_mean_k1; needs rollout.name=vllm):
-    a token, or a whole response, whose ratio ρ (as rollout_is) leaves [rollout_rs_threshold_lower,
+    """rollout rejection sampling (verl's rollout_rs token_k1 / seq_sum_k1 / seq_mean_k1; needs rollout.name=vllm or
+    server): a token, or a whole response, whose ratio ρ (as rollout_is) leaves [rollout_rs_threshold_lower,
     rollout_rs_threshold] is left out of the policy loss"""
     rollout_rs_threshold: float = 2.0
     """upper bound of ρ kept by rejection"""

@@ -112,6 +112,14 @@ def sample_table(rows: list[tuple]) -> str:
     return "\n".join(lines)
 
 
+def batch_metrics(scores, token_rewards, lengths, truncated) -> dict:
+    """Means over this process's batch: scores (B,), the summed token rewards (B, Tr), response lengths (B,), and
+    the share of responses cut off at max_response_length."""
+    return {"score/mean": scores.mean().item(), "score/max": scores.max().item(), "score/min": scores.min().item(),
+            "reward/mean": token_rewards.sum(1).mean().item(), "response/length_mean": lengths.float().mean().item(),
+            "response/clip_ratio": truncated.float().mean().item()}
+
+
 def sum_over_processes(accelerator, x: torch.Tensor) -> torch.Tensor:
     """x summed over processes, on x's own device."""
     return accelerator.reduce(x.to(accelerator.device), "sum").to(x.device)

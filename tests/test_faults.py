@@ -169,8 +169,8 @@ PPO_CASES = {
                            "{tmp}/p.parquet row 1: the prompt is 0 tokens once rendered"),
     "rollout_is without sampler logprobs": (  # base_args: rollout.name=hf, whose rollout has no logprobs (issue 21)
         lambda tmp, root: ["algorithm.rollout_is=token"],
-        "algorithm.rollout_is=token corrects by the sampler's own logprobs, which only rollout.name=vllm gives "
-        "(rollout.name is hf); use rollout.name=vllm, or set algorithm.rollout_is to off"),
+        "algorithm.rollout_is=token corrects by the sampler's own logprobs, which only rollout.name=vllm or server "
+        "gives (rollout.name is hf); use one of them, or set algorithm.rollout_is to off"),
     "rejection without sampler logprobs": (
         lambda tmp, root: ["algorithm.rollout_rs=sequence_mean"],
         "algorithm.rollout_rs=sequence_mean corrects by the sampler's own logprobs, which only rollout.name=vllm"),

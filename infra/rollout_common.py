@@ -1,0 +1,93 @@
+"""What every rollout backend shares (rollout.py's kinds, rollout_server.py's, agent.py's loop): the Rollout record
+they return, padded token rows, where a response ends, each prompt's sampling seed, and the policy's weights streamed
+whole for an engine or a server to load."""
+import random
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from infra.distributed import whole
+
+
+@dataclass
+class Rollout:
+    responses: torch.Tensor  # (B·n, Tr)
+    response_mask: torch.Tensor  # (B·n, Tr) 1 = a token the policy sampled
+    logprobs: Optional[torch.Tensor] = None  # (B·n, Tr)
+    attention_mask: Optional[torch.Tensor] = None  # (B·n, Tr) 1 = any real token, tool answers included; None: as
+    #                                                response_mask (one turn)
+    conversations: Optional[list[dict]] = None  # per row: turns, tool_calls, tool_results, num_turns (agent.py)
+    metrics: dict = field(default_factory=dict)  # agent/* (agent.py)
+    token_rewards: Optional[torch.Tensor] = None  # (B·n, Tr) rewards given during the rollout (an environment's, per
+    #                                               turn at its last token), which the Sampler adds to the scorers'
+
+
+def right_pad(seqs: list[list], pad, dtype=torch.long) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lists → (values, mask), both (B, T), T ≥ 1, padded on the right with `pad`; mask 1 = a real entry."""
+    T = max(1, max((len(s) for s in seqs), default=0))
+    values = torch.full((len(seqs), T), pad, dtype=dtype)
+    mask = torch.zeros((len(seqs), T), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        values[i, :len(s)] = torch.tensor(s, dtype=dtype)
+        mask[i, :len(s)] = 1
+    return values, mask
+
+
+def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists → (ids, mask), both (B, T), padded on the left so that every row ends together:
+    right padding of the reversed lists, reversed."""
+    ids, mask = right_pad([s[::-1] for s in seqs], pad_id)
+    return ids.flip(1), mask.flip(1)
+
+
+def cut_at_eos(tokens: list[int], eos_ids: set[int]) -> list[int]:
+    """Keep tokens up to and including the first EOS (generate pads finished rows with more)."""
+    for t, tok in enumerate(tokens):
+        if tok in eos_ids:
+            return tokens[:t + 1]
+    return tokens
+
+
+def cut_off(responses, lengths, max_length: int, eos_ids) -> torch.Tensor:
+    """(B,) bool: the responses that reached max_length tokens without ending in an EOS."""
+    last_tokens = responses[torch.arange(len(responses)), (lengths - 1).clamp(min=0)]  # (B,)
+    return (lengths == max_length) & ~torch.isin(last_tokens, torch.tensor(sorted(eos_ids)))
+
+
+def prompt_seeds(seed: Optional[int], rank: int, count: int) -> list:
+    """Each prompt's sampling seed, drawn from (`seed`, rank): vLLM seeds sample j of a request with seed_i + j, so
+    the same call returns the same samples, and ranks draw different ones. None without a seed."""
+    rng = random.Random(f"{seed}/{rank}")
+    return [None if seed is None else rng.randrange(2**31) for _ in range(count)]
+
+
+def eos_ids_of(tokenizer, model_config=None) -> set[int]:
+    """Every id that ends a response: the tokenizer's EOS and the model's generation EOS ids."""
+    ids = {tokenizer.eos_token_id}
+    eos = getattr(getattr(model_config, "generation_config", None), "eos_token_id", None)
+    ids |= set(eos if isinstance(eos, list) else [eos])
+    return {i for i in ids if i is not None}
+
+
+def policy_weights(model):
+    """The policy's weights one at a time, whole, under the plain checkpoint's names: (name, tensor) for an engine.
+
+    Streamed (issue 22): besides the engine's own copy, one gathered weight exists at a time (with LoRA: W, B and A of
+    one layer), not the whole model at once. FSDP2 shards each parameter as a DTensor, gathered here as it comes
+    (`whole`: a collective, and every process walks the state dict in the same order). With LoRA the policy's weight
+    is W + s·B·A, s = α/r (Hu et al., 2021, eq. 3), formed here, so the training model is never merged and unmerged.
+    """
+    state = model.state_dict()  # the parameters themselves (FSDP2: their shards), no copies
+    for key, w in state.items():
+        if ".lora_" in key:
+            continue
+        w = whole(w)
+        if key.endswith(".base_layer.weight"):  # PEFT's LoraLayer: W is frozen in base_layer, B·A beside it
+            name = key.removesuffix(".base_layer.weight")
+            layer = model.get_submodule(name)
+            if not getattr(layer, "merged", False):
+                for a in layer.active_adapters:
+                    B, A = (whole(state[f"{name}.lora_{m}.{a}.weight"]) for m in "BA")  # (out, r), (r, in)
+                    w = w + layer.scaling[a] * (B @ A)
+        yield key.removeprefix("base_model.model.").replace(".base_layer.", "."), w
