@@ -180,6 +180,26 @@ def calculator_script(context: str, j: int) -> str:
         "<|im_end|>")[0]
 
 
+def hermes_script(context: str, j: int) -> str:
+    """Sample 0 calls shout in Hermes' format, sample 1 calls add with text it cannot add (the tool raises), sample
+    2 writes a call that is not JSON; after a tool answer, each replies with the answer's first word."""
+    if "<|im_start|>tool" not in context.rsplit("What is ", 1)[1]:
+        return ['<tool_call>{"name": "shout", "arguments": {"word": "hi", "times": 2}}</tool_call>',
+                '<tool_call>{"name": "add", "arguments": {"text": "1+"}}</tool_call>',
+                '<tool_call>{"name": </tool_call>'][j]
+    return context.rsplit("<|im_start|>tool\n", 1)[1].split("<|im_end|>")[0].split()[0]
+
+
+# name → (format, tools, script, max_turns, max_length, questions, n): the scenarios whose outputs agent.py gave at
+# b8b4a16, before environments (tests/agent_before.json; recorded by running these scenarios through that
+# commit's AgentRollout)
+BEFORE_AFTER = {
+    "tag": ("tag", ["add"], "calculator_script", 3, 128, [(3, 4), (12, 30)], 3),
+    "tag_tight": ("tag", ["add"], "calculator_script", 3, 30, [(3, 4)], 3),
+    "hermes": ("hermes", ["add", "shout"], "hermes_script", 2, 400, [(3, 4)], 3),
+}
+
+
 def agent_rollout(tokenizer, tools_file, reply=calculator_script, max_turns=3, max_length=128, reduce_max=None):
     from agent import AgentRollout, load_tools, PARSERS, TurnSettings
     settings = TurnSettings(max_turns, max_length, PARSERS["tag"], load_tools([f"{tools_file}:add"]), 1.0, 64)
