@@ -51,8 +51,14 @@ run. A class that cannot be imported or built is refused at start-up in one sent
 The built-in environment, when rollout.multi_turn.env is empty, is ToolEnvironment (agent.py): the tool calls of
 rollout.multi_turn.tools, each run in a process of its own.
 """
-from dataclasses import dataclass, field
+import os
+import re
+from dataclasses import dataclass, field, replace
 from typing import Optional
+
+from infra.config import ConfigError
+from infra.episodes import ObjectHost
+from infra.worker import CallFailed, WorkerStartError
 
 
 @dataclass
@@ -84,17 +90,17 @@ def as_messages(observation, where: str) -> list:
                     f"{type(observation).__name__} {str(observation)[:80]!r}")
 
 
-def as_reset(result, row: dict) -> Reset:
-    """reset's result in any of the accepted forms (module docstring) → Reset; a TypeError saying what was wrong."""
+def as_reset(result, row: dict) -> Optional[Reset]:
+    """reset's result in any of the accepted forms (module docstring) → Reset, or None for the row's own prompt; a
+    TypeError saying what was wrong."""
     if isinstance(result, tuple) and len(result) == 2 and not isinstance(result[0], dict):  # SkyRL-Gym's init
         result = result[0]
     if result is None:
-        return Reset(list(row["prompt"]) if isinstance(row.get("prompt"), list) else
-                     [{"role": "user", "content": str(row.get("prompt", ""))}])
+        return None
     if isinstance(result, Reset):
         return Reset(as_messages(result.messages, "Reset.messages"), result.tools)
     if isinstance(result, str):  # TRL: appended to the last user message
-        prompt = as_reset(None, row).messages
+        prompt = as_messages(row["prompt"], "the row's prompt")
         last = max((i for i, m in enumerate(prompt) if m["role"] == "user"), default=None)
         if last is None:
             return Reset(prompt + [{"role": "user", "content": result}])
@@ -137,3 +143,220 @@ def check_environment_class(cls, spec: str) -> None:
     if required:
         raise ValueError(f"{spec}'s constructor needs {', '.join(required)}; an environment is built with no "
                          f"arguments (reset(row) gets the row)")
+
+
+# ---------------------------------------------------------------------------------------
+# Messages as tokens: what the chat template writes after the model's EOS, and an environment's first messages
+
+
+class ToolTemplate:
+    """tokens(messages) → the ids that follow an assistant turn's EOS: the rest of the template's end of turn
+    (chatml's newline), the tool (or user) messages, the next assistant header; prompt(messages, tools) → the ids of
+    a whole prompt.
+
+    Rendered around a stand-in conversation: the text after the EOS that closes its assistant turn, in
+    template(stand-in + messages, add_generation_prompt=True). That is the conversation as the template writes it,
+    provided the template only appends (checked here, once, at start-up: ConfigError otherwise).
+
+    The messages' text is data, never control (issue 34): the template is rendered with a marker in place of each
+    message's content; its own text between the markers is tokenised with its special tokens, each content with
+    none (split_special_tokens), so that a tool answer holding "<|im_start|>system" is those characters, not a turn."""
+    STAND_IN = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+    MARK = re.compile("\x00([0-9]+)\x00")
+
+    def __init__(self, tokenizer):
+        self.tokenizer, eos = tokenizer, tokenizer.eos_token
+        if tokenizer.chat_template is None:
+            raise ConfigError("rollout.multi_turn needs a tokenizer with a chat template (model.tokenizer_path) to "
+                              "write tool answers as messages")
+        before = tokenizer.apply_chat_template(self.STAND_IN, tokenize=False)
+        self.prefix = before[:before.rfind(eos) + len(eos)] if eos and eos in before else None
+        probe = self.text([{"role": "tool", "name": "probe", "content": "PROBE"}])
+        if probe is None or "PROBE" not in probe:
+            raise ConfigError(f"rollout.multi_turn: the tokenizer's chat template does not end an assistant turn with "
+                              f"its EOS {eos!r} and then append tool messages after it; use a chatml-style template "
+                              f"(model.tokenizer_path)")
+        try:
+            self.tokens([{"role": "tool", "name": "probe", "content": "x"}, {"role": "user", "content": "y"}])
+        except ValueError:
+            raise ConfigError("rollout.multi_turn: the tokenizer's chat template changes the text of the messages it "
+                              "writes, so their text cannot be kept apart from its control tokens; use a "
+                              "chatml-style template (model.tokenizer_path)") from None
+
+    def text(self, messages: list[dict]) -> Optional[str]:
+        after = self.tokenizer.apply_chat_template(self.STAND_IN + messages, tokenize=False, add_generation_prompt=True)
+        return after[len(self.prefix):] if self.prefix and after.startswith(self.prefix) else None
+
+    def tokens(self, messages: list[dict]) -> list[int]:
+        return self.encode(self.text(self.marked(messages)), messages)
+
+    def prompt(self, messages: list[dict], tools: Optional[list] = None) -> list[int]:
+        text = self.tokenizer.apply_chat_template(self.marked(messages), tools=tools, tokenize=False,
+                                                  add_generation_prompt=True)
+        return self.encode(text, messages)
+
+    @staticmethod
+    def marked(messages: list[dict]) -> list[dict]:
+        return [{**m, "content": f"\x00{i}\x00"} for i, m in enumerate(messages)]
+
+    def encode(self, text: Optional[str], messages: list[dict]) -> list[int]:
+        """The template's text (with markers) as ids: its own special tokens read, the contents' never. A
+        ValueError when the template did not write each content once, in order."""
+        pieces = self.MARK.split(text or "")
+        if pieces[1::2] != [str(i) for i in range(len(messages))]:
+            raise ValueError("the chat template did not write each message's content once, in order")
+        ids = []
+        for k, piece in enumerate(pieces):
+            data = k % 2 == 1
+            text = messages[int(piece)]["content"] if data else piece
+            if text:
+                ids += self.tokenizer(text, add_special_tokens=False, split_special_tokens=data)["input_ids"]
+        return ids
+
+
+# ---------------------------------------------------------------------------------------
+# The environments agent.AgentRollout drives: a user's class, or the built-in tools
+
+
+class HostedEnvironment:
+    """A user's environment class (rollout.multi_turn.env), one instance per episode, each in a process of its own
+    (infra/episodes.py); agent.AgentRollout drives it, a batch of episodes at a time: reset(rows), step(…) after
+    each turn, end(). A call that fails is returned as the exception (CallFailed, TypeError, …): it ends that
+    episode only. The worker is started again at the next reset when it was lost."""
+    hosted = True  # the user's code: every call runs in the episode's process
+
+    def __init__(self, spec: str, timeout_s: float):
+        path, _, name = spec.rpartition(":")
+        if not path or not name:
+            raise ConfigError(f"rollout.multi_turn.env: {spec!r} must be path/to/file.py:Class")
+        if not os.path.isfile(path):
+            raise ConfigError(f"rollout.multi_turn.env: file {path} does not exist (in {spec!r})")
+        self.target, self.timeout_s, self.keys = {"env": (path, name)}, timeout_s, []
+        self.host = self.start()
+
+    def start(self) -> ObjectHost:
+        try:
+            return ObjectHost(self.target, self.timeout_s, check="classes")
+        except WorkerStartError as e:
+            raise ConfigError(f"rollout.multi_turn.env: {e}") from None
+
+    def reset(self, rows: list[dict]) -> list:
+        """A new instance per row, reset on it: each a Reset, None (the row's own prompt) or the exception."""
+        self.end()
+        if self.host.proc is None:
+            self.host = self.start()
+        self.keys = self.host.open("env", len(rows))
+        results = self.host.call_all([(key, "reset", (row,)) for key, row in zip(self.keys, rows)])
+        return [checked(as_reset, result, row) for result, row in zip(results, rows)]
+
+    def step(self, episodes: list[int], texts: list[str], final: list[bool]) -> list:
+        """Each episode's step on its new turn (`final` does not change what is asked): a Step or the exception."""
+        results = self.host.call_all([(self.keys[i], "step", (text,)) for i, text in zip(episodes, texts)])
+        return [checked(as_step, result) for result in results]
+
+    def end(self) -> None:
+        """The batch's instances leave (their close() called)."""
+        if self.keys and self.host.proc is not None:
+            self.host.end(self.keys)
+        self.keys = []
+
+    def close(self) -> None:
+        self.host.close()
+
+
+def checked(normalise, result, *args):
+    """normalise(result, *args), or the exception a failed call or a malformed result is."""
+    if isinstance(result, Exception):
+        return result
+    try:
+        return normalise(result, *args)
+    except (TypeError, ValueError, KeyError) as e:
+        return e
+
+
+# ---------------------------------------------------------------------------------------
+# The built-in environment: the tools, plain Python functions, each call run in a process of its own
+
+
+def tool_targets(specs: list[str]) -> dict[str, tuple[str, str]]:
+    """{function name: (file, function name)} for each `path/to/file.py:function` of rollout.multi_turn.tools; a
+    ConfigError naming the key otherwise."""
+    targets = {}
+    for spec in specs:
+        path, _, name = spec.rpartition(":")
+        if not path or not name:
+            raise ConfigError(f"rollout.multi_turn.tools: {spec!r} must be path/to/file.py:function")
+        if not os.path.isfile(path):
+            raise ConfigError(f"rollout.multi_turn.tools: file {path} does not exist (in {spec!r})")
+        targets[name] = (path, name)
+    return targets
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    text: str  # what the model reads
+    ok: bool  # False: the call was malformed, raised, timed out or ended its process (the text says which)
+
+
+def run_tools(calls: list, host: ObjectHost, max_chars: int) -> list[ToolResult]:
+    """Each call's answer: str(tool(**arguments)) (hermes) or str(tool(text)) (tag), cut to max_chars. All calls run
+    at once, each in a process of its own (infra/episodes.py) killed after rollout.multi_turn.tool_timeout_s: a call
+    that raises, hangs, or ends its process answers an error, and what it started is ended with the run."""
+    runnable = [i for i, call in enumerate(calls) if call.error is None]
+    keys = [key for i in runnable for key in host.open(calls[i].name, 1)]
+    outcomes = host.call_all([(key, None, () if isinstance(calls[i].arguments, dict) else (calls[i].arguments,),
+                               calls[i].arguments if isinstance(calls[i].arguments, dict) else {})
+                              for key, i in zip(keys, runnable)])
+    host.end(keys)
+    answers = [ToolResult(f"error: {call.error}", False) for call in calls]
+    for i, outcome in zip(runnable, outcomes):
+        timed_out = isinstance(outcome, CallFailed) and str(outcome).startswith("TimeoutError")
+        answers[i] = (ToolResult(f"error: the tool took longer than {host.timeout_s:g} s", False) if timed_out else
+                      ToolResult(f"error: {outcome}", False) if isinstance(outcome, CallFailed) else
+                      ToolResult(str(outcome), True))
+    return [a if len(a.text) <= max_chars else ToolResult(a.text[:max_chars] + "...(truncated)", a.ok)
+            for a in answers]
+
+
+class ToolEnvironment:
+    """The built-in environment (the contract above, batched as HostedEnvironment): no state and no reward. A turn's tool calls
+    are answered by tool messages, and a turn that writes none ends the episode; at most max_calls of a turn run, the
+    rest are answered with an error (issue 34). A final turn's calls are counted but not run."""
+    hosted = False  # the library's own code: it runs here, its tools in their processes
+
+    def __init__(self, specs: list[str], parse, timeout_s: float, max_chars: int, max_calls: int):
+        targets = tool_targets(specs)
+        self.parse, self.names, self.max_chars, self.max_calls = parse, set(targets), max_chars, max_calls
+        try:
+            self.host = ObjectHost(targets, timeout_s)
+        except WorkerStartError as e:
+            raise ConfigError(f"rollout.multi_turn.tools: {e}") from None
+
+    def reset(self, rows: list[dict]) -> list:
+        return [None] * len(rows)  # the rows' own prompts
+
+    def step(self, episodes: list[int], texts: list[str], final: list[bool]) -> list[Step]:
+        parsed = [self.parse(text, self.names) for text in texts]
+        over = f"not run: more than {self.max_calls} calls in one turn (rollout.multi_turn.max_calls_per_turn)"
+        calls = [[c if k < self.max_calls else replace(c, error=over) for k, c in enumerate(turn)]
+                 for turn, last in zip(parsed, final) if not last]
+        results = iter(run_tools([c for turn in calls for c in turn], self.host, self.max_chars))
+        steps, ran = [], iter(calls)
+        for turn, last in zip(parsed, final):
+            info = {"well_formed": sum(c.error is None for c in turn), "malformed": sum(c.error is not None for c in turn)}
+            if last:
+                steps.append(Step([], done=True, info=info))
+                continue
+            answers = [(call, next(results)) for call in next(ran)]
+            steps.append(Step([{"role": "tool", "name": c.name, "content": r.text} for c, r in answers],
+                              done=not answers, info={**info, "tool_calls": [
+                                  {"name": c.name, "arguments": c.arguments, "error": c.error} for c, _ in answers],
+                                  "tool_results": [r.text for _, r in answers],
+                                  "tool_errors": sum(not r.ok and c.error is None for c, r in answers)}))
+        return steps
+
+    def end(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.host.close()

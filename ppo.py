@@ -288,7 +288,7 @@ def main(cfg: config.Config):
                                         rule_of=functools.partial(rule_needing_truth, cfg_reward=cfg.reward))
     sizes = check_sizes(cfg, accelerator.num_processes, len(train_rows))
     check_data_sources({r["data_source"] for r in train_rows + val_rows}, cfg.reward)  # each has a rule
-    agent.check_multi_turn(cfg.rollout, tokenizer)  # multi-turn: the tools import, the template writes their answers
+    turns = agent.check_multi_turn(cfg, tokenizer)  # multi-turn: the environment or tools start, the template fits
     n, B = cfg.rollout.n, sizes.batch
 
     # ---- models (infra/models.py builds them all): actor, reference, critic; optimisers after sharding
@@ -308,7 +308,7 @@ def main(cfg: config.Config):
                     **({"critic": (critic, critic_opt)} if critic is not None else {})}
     logger = resume(accelerator, cfg, resume_from, checkpointed, state)
     rollout = make_rollout(cfg, policy, tokenizer, accelerator, dtype, synced_forwards=fsdp is not None)
-    rollout = agent.with_tools(rollout, cfg.rollout, tokenizer)  # with rollout.multi_turn: tool calls between turns
+    rollout = agent.with_tools(rollout, turns, tokenizer)  # with rollout.multi_turn: an environment between turns
     sample = Sampler(rollout, tokenizer, scorer, accelerator, cfg, sizes.prompts)  # steps 1–3
     reduce_sum = functools.partial(sum_over_processes, accelerator)
 

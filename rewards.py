@@ -23,7 +23,7 @@ from collections import Counter
 import torch
 from accelerate.utils import gather_object
 
-from agent import with_conversations
+from agent import generate_for, with_conversations
 from infra.config import ConfigError
 from infra.metrics import reduce_metrics, sum_over_processes
 from infra.models import check_model_path
@@ -326,8 +326,7 @@ def validate(cfg, rollout, tokenizer, scorer, val_rows, accelerator) -> dict:
     """rollout.val_n responses per validation prompt at rollout.val_temperature (one, greedy, by default), scored:
     Scorer.validation_metrics. Every validation samples with the run's seed, so that they differ by the policy."""
     k, mine = cfg.rollout.val_n, val_rows[accelerator.process_index::accelerator.num_processes]
-    ro = rollout.generate([r["prompt_ids"] for r in mine], n=k, temperature=cfg.rollout.val_temperature,
-                          seed=cfg.trainer.seed)
+    ro = generate_for(rollout, mine, k, cfg.rollout.val_temperature, seed=cfg.trainer.seed)  # rows: for an env
     texts = decode_responses(tokenizer, ro)
     sources = sorted({r["data_source"] for r in val_rows})
     rows = with_conversations([r for r in mine for _ in range(k)], ro)  # multi-turn: the reward reads them

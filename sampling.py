@@ -63,12 +63,14 @@ class Sampler:
         """Steps 2 and 3 for these prompts."""
         ro_cfg, r, n = self.cfg.rollout, self.cfg.reward, self.cfg.rollout.n
         with timed(times, "time/gen_s"):
-            ro = self.rollout.generate([row["prompt_ids"] for row in prompt_rows], n, ro_cfg.temperature, seed=seed)
+            ro = agent.generate_for(self.rollout, prompt_rows, n, ro_cfg.temperature, seed=seed)  # rows: for an env
         rows = [row for row in prompt_rows for _ in range(n)]  # row i·n + j: sample j of prompt i
         rows = agent.with_conversations(rows, ro)  # multi-turn: the reward reads each conversation
         with timed(times, "time/reward_s"):
             texts = decode_responses(self.tokenizer, ro)
             scores, metrics = score_on_every_process(self.scorer, rows, texts, self.accelerator)  # (B,)
+            if ro.token_rewards is not None:  # an environment's turn rewards: their sum at the last token (issue 31
+                scores = scores + ro.token_rewards.sum(1)  # will keep them at their tokens)
             if self.scorer.judge_answers:  # reward.type=judge: its raw answers, for the sample table
                 rows = [{**row, "judge_answer": answer} for row, answer in zip(rows, self.scorer.judge_answers)]
             lengths = (ro.response_mask if ro.attention_mask is None else ro.attention_mask).sum(1)  # (B,) tool too

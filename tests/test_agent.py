@@ -102,13 +102,17 @@ def test_tag_calls_are_read_in_order_and_unclosed_ones_say_why():
 def test_tools_answer_fail_time_out_and_are_cut(tools_file):
     """A tool's return value as text; a raising tool, a malformed call and a tool slower than the timeout answer
     an error (the slow one without holding up the rest); a long answer is cut and marked."""
-    from agent import load_tools, run_tools, ToolCall
-    tools = load_tools([f"{tools_file}:add", f"{tools_file}:slow", f"{tools_file}:shout"])
-    assert sorted(tools) == ["add", "shout", "slow"]
+    from agent import ToolCall
+    from environments import run_tools, tool_targets
+    from infra.episodes import ObjectHost
+    host = ObjectHost(tool_targets([f"{tools_file}:add", f"{tools_file}:slow", f"{tools_file}:shout"]), 0.5)
     calls = [ToolCall("add", "2+3"), ToolCall("add", "x+1"), ToolCall("slow", ""), ToolCall("?", "{", "bad JSON"),
              ToolCall("shout", {"word": "ab", "times": 40})]
     start = time.monotonic()
-    results = run_tools(calls, tools, timeout=0.5, max_chars=60)
+    try:
+        results = run_tools(calls, host, max_chars=60)
+    finally:
+        host.close()
     assert time.monotonic() - start < 3
     assert [r.ok for r in results] == [True, False, False, False, True]
     assert results[0].text == "5"
@@ -124,9 +128,10 @@ def test_tools_answer_fail_time_out_and_are_cut(tools_file):
     ("add", "rollout.multi_turn.tools: 'add' must be path/to/file.py:function"),
 ])
 def test_a_bad_tool_spec_is_one_sentence_naming_the_key(tools_file, tmp_path, spec, sentence):
-    from agent import load_tools
+    from agent import PARSERS
+    from environments import ToolEnvironment
     with pytest.raises(ConfigError) as e:
-        load_tools([spec.format(tmp=tmp_path, tools=tools_file)])
+        ToolEnvironment([spec.format(tmp=tmp_path, tools=tools_file)], PARSERS["tag"], 1.0, 64, 8)
     assert sentence.format(tmp=tmp_path, tools=tools_file) in str(e.value)
 
 
@@ -200,11 +205,34 @@ BEFORE_AFTER = {
 }
 
 
-def agent_rollout(tokenizer, tools_file, reply=calculator_script, max_turns=3, max_length=128, reduce_max=None):
-    from agent import AgentRollout, load_tools, PARSERS, TurnSettings
-    settings = TurnSettings(max_turns, max_length, PARSERS["tag"], load_tools([f"{tools_file}:add"]), 1.0, 64)
+def agent_rollout(tokenizer, tools_file, reply=calculator_script, max_turns=3, max_length=128, reduce_max=None,
+                  fmt="tag", tools=("add",)):
+    from agent import AgentRollout, PARSERS, TurnSettings
+    from environments import ToolEnvironment
+    environment = ToolEnvironment([f"{tools_file}:{t}" for t in tools], PARSERS[fmt], 1.0, 64, 8)
+    settings = TurnSettings(max_turns, max_length, 512, environment)
     backend = ScriptedBackend(tokenizer, reply)
     return AgentRollout(backend, tokenizer, settings, **({"reduce_max": reduce_max} if reduce_max else {})), backend
+
+
+@pytest.mark.parametrize("name", sorted(BEFORE_AFTER))
+def test_the_tool_environment_gives_what_agent_py_gave_before_environments(tokenizer, tools_file, name):
+    """The built-in tool environment (environments.ToolEnvironment, each call in a process of its own) gives, token
+    for token, the rows, masks, sampler logprobs, conversations and agent/* metrics that agent.py's in-process tools
+    gave at b8b4a16 on the same scripted scenarios (tests/agent_before.json)."""
+    import json
+    fmt, tools, script, max_turns, max_length, questions, n = BEFORE_AFTER[name]
+    with open(os.path.join(REPO, "tests", "agent_before.json")) as f:
+        before = json.load(f)[name]
+    ro_, _ = agent_rollout(tokenizer, tools_file, globals()[script], max_turns, max_length, fmt=fmt, tools=tools)
+    try:
+        ro = ro_.generate([chat(tokenizer, question(a, b)) for a, b in questions], n=n, temperature=1.0, seed=0)
+    finally:
+        ro_.s.environment.close()
+    assert ro.responses.tolist() == before["responses"] and ro.response_mask.tolist() == before["response_mask"]
+    assert ro.attention_mask.tolist() == before["attention_mask"] and ro.logprobs.tolist() == before["logprobs"]
+    assert ro.conversations == before["conversations"] and ro.metrics == before["metrics"]
+    assert ro.token_rewards is None and ro.prompts is None  # no rewards, the rows' own prompts
 
 
 def test_each_row_is_the_conversation_as_the_chat_template_writes_it(tokenizer, tools_file):
@@ -423,11 +451,11 @@ def caller(caller_dir):
 def test_hf_rollout_calls_the_tool_and_answers_with_its_result(caller, caller_dir, tools_file):
     """Through HF generate, greedy, the taught model calls <add> on every sum, reads the tool's answer and replies
     with it; every sample is a well-formed call."""
-    from agent import with_tools
+    from agent import check_multi_turn, with_tools
     from rollout import make_rollout
     model, tokenizer = caller
     cfg = rollout_config(caller_dir, tools_file, "hf")
-    ro_ = with_tools(make_rollout(cfg, model, tokenizer, OneProcess()), cfg.rollout, tokenizer)
+    ro_ = with_tools(make_rollout(cfg, model, tokenizer, OneProcess()), check_multi_turn(cfg, tokenizer), tokenizer)
     ro = ro_.generate([chat(tokenizer, question(a, b)) for a, b in SUMS], n=1, temperature=0.0)
     assert [c["turns"][-1]["content"] for c in ro.conversations] == [str(a + b) for a, b in SUMS]
     assert ro.metrics["agent/well_formed_share"] == 1.0 and ro.logprobs is None
@@ -441,15 +469,16 @@ def test_vllm_turns_match_hf_and_its_logprobs_match_the_trainers(caller, caller_
     equal HF's token for token, masks included; sampled at T=1 from a seed, the sampler's logprobs equal the
     trainer's forward over the gapped rows on every model token (mean |Δ| < 1e-4), and are 0 on tool tokens."""
     from transformers import AutoModelForCausalLM
-    from agent import with_tools
+    from agent import check_multi_turn, with_tools
     from rollout import make_rollout
     model, tokenizer = caller
     cfg = rollout_config(tiny_model_dir, tools_file, "vllm")  # the engine starts from other weights
     random_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     engine = make_rollout(cfg, random_model, tokenizer, OneProcess())
-    vllm_ro = with_tools(engine, cfg.rollout, tokenizer)
-    hf_ro = with_tools(make_rollout(rollout_config(caller_dir, tools_file, "hf"), model, tokenizer, OneProcess()),
-                       cfg.rollout, tokenizer)
+    vllm_ro = with_tools(engine, check_multi_turn(cfg, tokenizer), tokenizer)
+    hf_cfg = rollout_config(caller_dir, tools_file, "hf")
+    hf_ro = with_tools(make_rollout(hf_cfg, model, tokenizer, OneProcess()), check_multi_turn(hf_cfg, tokenizer),
+                       tokenizer)
     engine.sync_weights(model)
     prompts = [chat(tokenizer, question(a, b)) for a, b in SUMS]
     v, h = vllm_ro.generate(prompts, 1, 0.0), hf_ro.generate(prompts, 1, 0.0)
