@@ -36,6 +36,7 @@ import torch
 from environments import HostedEnvironment, ToolEnvironment, ToolTemplate
 from infra.config import ConfigError
 from infra.distributed import max_over_processes
+from infra.worker import CallFailed
 from rollout import right_pad, Rollout
 
 # ---------------------------------------------------------------------------------------
@@ -203,7 +204,7 @@ class AgentRollout:
                         raise ValueError(f"reset's prompt is {len(e.prompt)} tokens, more than data.max_prompt_length="
                                          f"{self.s.max_prompt_length}")
             except Exception as exc:
-                e.prompt, e.error = rows[e.index].get("prompt_ids", e.prompt), f"reset: {type(exc).__name__}: {exc}"
+                e.prompt, e.error = rows[e.index].get("prompt_ids", e.prompt), f"reset: {reason(exc)}"
 
     def add_turns(self, episodes: list[Episode], out: Rollout) -> None:
         """Append each episode's new model turn (row k of `out`)."""
@@ -228,13 +229,14 @@ class AgentRollout:
                     raise step
                 e.rewards.append((max(len(e.tokens) - 1, 0), step.reward))
                 e.infos.append(step.info)
-                e.well_formed += step.info.get("well_formed", 0)
-                e.malformed += step.info.get("malformed", 0)
+                if not self.s.environment.hosted:  # the tool environment's counts (agent/* metrics)
+                    e.well_formed, e.malformed = e.well_formed + step.info["well_formed"], e.malformed + step.info[
+                        "malformed"]
                 if end or step.done or not step.messages:
                     continue
                 ids = self.template.tokens(step.messages)
             except Exception as exc:
-                e.error = f"step: {type(exc).__name__}: {exc}"
+                e.error = f"step: {reason(exc)}"
                 continue
             if len(e.tokens) + len(ids) >= self.s.max_length:
                 continue  # no room left to read the messages and reply: the episode ends at its turn
@@ -242,10 +244,11 @@ class AgentRollout:
             e.mask += [0] * len(ids)
             e.logprobs += [0.0] * len(ids)  # unused with HF, which has no sampler logprobs
             e.turns += step.messages
-            e.tool_calls += step.info.get("tool_calls", [])
-            e.tool_results += step.info.get("tool_results", [])
-            e.tool_errors += step.info.get("tool_errors", 0)
             e.tool_rounds += 1
+            if not self.s.environment.hosted:
+                e.tool_calls += step.info["tool_calls"]
+                e.tool_results += step.info["tool_results"]
+                e.tool_errors += step.info["tool_errors"]
             e.going_on = True
 
     def rollout(self, episodes: list[Episode], with_logprobs: bool, prompts: list, n: int) -> Rollout:
@@ -264,9 +267,15 @@ class AgentRollout:
         if own_prompts:
             for e, record in zip(episodes, records):
                 record["prompt_text"] = self.tokenizer.decode(e.prompt)
-        return Rollout(responses, response_mask, logprobs, attention_mask=attention_mask, conversations=records, metrics=agent_metrics(episodes, hosted),
+        return Rollout(responses, response_mask, logprobs, attention_mask=attention_mask, conversations=records,
+                       metrics=agent_metrics(episodes, hosted),
                        token_rewards=token_rewards if any(r for e in episodes for _, r in e.rewards) else None,
                        prompts=[e.prompt for e in episodes] if own_prompts else None)
+
+
+def reason(exc: Exception) -> str:
+    """Why an environment's call failed: a CallFailed's own "<Type>: <message>", or the exception's."""
+    return str(exc) if isinstance(exc, CallFailed) else f"{type(exc).__name__}: {exc}"
 
 
 def agent_metrics(episodes: list[Episode], hosted: bool) -> dict:

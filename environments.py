@@ -104,7 +104,8 @@ def as_reset(result, row: dict) -> Optional[Reset]:
         last = max((i for i, m in enumerate(prompt) if m["role"] == "user"), default=None)
         if last is None:
             return Reset(prompt + [{"role": "user", "content": result}])
-        return Reset(prompt[:last] + [{**prompt[last], "content": prompt[last]["content"] + result}] + prompt[last + 1:])
+        appended = {**prompt[last], "content": prompt[last]["content"] + result}
+        return Reset(prompt[:last] + [appended] + prompt[last + 1:])
     return Reset(as_messages(result, "reset's result"))
 
 
@@ -319,9 +320,9 @@ def run_tools(calls: list, host: ObjectHost, max_chars: int) -> list[ToolResult]
 
 
 class ToolEnvironment:
-    """The built-in environment (the contract above, batched as HostedEnvironment): no state and no reward. A turn's tool calls
-    are answered by tool messages, and a turn that writes none ends the episode; at most max_calls of a turn run, the
-    rest are answered with an error (issue 34). A final turn's calls are counted but not run."""
+    """The built-in environment (the contract above, batched as HostedEnvironment): no state and no reward. A turn's
+    tool calls are answered by tool messages, and a turn that writes none ends the episode; at most max_calls of a
+    turn run, the rest are answered with an error (issue 34). A final turn's calls are counted but not run."""
     hosted = False  # the library's own code: it runs here, its tools in their processes
 
     def __init__(self, specs: list[str], parse, timeout_s: float, max_chars: int, max_calls: int):
@@ -343,7 +344,8 @@ class ToolEnvironment:
         results = iter(run_tools([c for turn in calls for c in turn], self.host, self.max_chars))
         steps, ran = [], iter(calls)
         for turn, last in zip(parsed, final):
-            info = {"well_formed": sum(c.error is None for c in turn), "malformed": sum(c.error is not None for c in turn)}
+            well_formed = sum(c.error is None for c in turn)
+            info = {"well_formed": well_formed, "malformed": len(turn) - well_formed}
             if last:
                 steps.append(Step([], done=True, info=info))
                 continue

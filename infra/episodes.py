@@ -12,8 +12,8 @@ How: the worker (`python infra/episodes.py FD`) imports the files once, in a ses
 process group holds it, every process it forks and every process those start. An object is built in a child forked
 from it, which answers method calls over a pipe; the worker relays calls and answers, and kills a child still
 running a call timeout_s after it began (SIGKILL: it needs no cooperation from the call). close() kills the whole
-process group. A worker whose parent is gone kills its group within a second; a child whose worker is gone is
-killed by the kernel (PR_SET_PDEATHSIG). A process that leaves the group on purpose (setsid) is beyond reach.
+process group. A worker whose parent is gone (its connection closed, or its parent pid changed) kills its group; a
+child whose worker is gone is killed by the kernel (PR_SET_PDEATHSIG). A process that leaves the group on purpose (setsid) is beyond reach.
 
 The worker imports the standard library, infra/worker.py and the user's files only: it starts in ~0.1 s, and a fork
 from it takes a few milliseconds.
@@ -328,3 +328,4 @@ if __name__ == "__main__":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=kill_group_when_orphaned, args=(os.getppid(),), daemon=True).start()
     serve(Connection(int(sys.argv[1])))
+    os.killpg(0, signal.SIGKILL)  # the parent closed the connection, or died: nothing of the group outlives it

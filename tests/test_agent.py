@@ -174,6 +174,9 @@ class ScriptedBackend:
     def sync_weights(self, model):
         pass
 
+    def close(self):
+        pass
+
 
 def calculator_script(context: str, j: int) -> str:
     """Sample 0 calls <add> and then copies the answer; sample 1 answers at once; sample 2 calls with a space in
