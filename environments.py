@@ -237,7 +237,7 @@ class HostedEnvironment:
 
     def start(self) -> ObjectHost:
         try:
-            return ObjectHost(self.target, self.timeout_s, check="classes")
+            return ObjectHost(self.target, self.timeout_s, check=(os.path.abspath(__file__), "check_environment_class"))
         except WorkerStartError as e:
             raise ConfigError(f"rollout.multi_turn.env: {e}") from None
 

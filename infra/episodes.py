@@ -2,7 +2,7 @@
 (environments.py), one process per tool call. A call that raises, hangs (even holding the GIL), calls os._exit or
 kills its process fails that object only; processes it starts are ended with the run (issues 33 and 34).
 
-    host = ObjectHost({"env": ("my_env.py", "Guess")}, timeout_s=30)   # imports the file in a worker; may raise
+    host = ObjectHost({"env": ("my_env.py", "Guess")}, 30, check)   # imports the file in a worker; may raise
     keys = host.open("env", 16)                          # 16 instances of Guess, each in a process forked from it
     results = host.call_all([(key, "reset", (row,)) for key, row in zip(keys, rows)])   # each: value or CallFailed
     host.end(keys)                                       # their processes leave
@@ -29,6 +29,7 @@ import weakref
 from collections import Counter
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection, wait
+from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script: infra/ importable
 from infra.worker import CallFailed, GRACE_S, WorkerStartError, import_function  # noqa: E402
@@ -37,8 +38,10 @@ from infra.worker import CallFailed, GRACE_S, WorkerStartError, import_function 
 class ObjectHost:
     """The worker of `targets` ({label: (path, name)}): each label's class or function, imported there once."""
 
-    def __init__(self, targets: dict, timeout_s: float, check: str = ""):
-        """check: "classes" also refuses, at start, a class that environments.check_environment_class refuses."""
+    def __init__(self, targets: dict, timeout_s: float, check: Optional[tuple[str, str]] = None):
+        """check: (file, function) that the worker calls on each target, check(target, "path:name"), before it says
+        it is ready: its ValueError refuses the targets (environments.check_environment_class); the targets are
+        then classes, each object built by calling it with no arguments."""
         self.timeout_s, self.next_key = timeout_s, 0
         mine, theirs = Pipe()
         self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), str(theirs.fileno())],
@@ -251,13 +254,12 @@ def serve(conn: Connection) -> None:
     try:
         for label, (path, name) in setup["targets"].items():
             target = import_function(path, name)
-            if setup["check"] == "classes":
-                from environments import check_environment_class
+            if setup["check"]:
                 try:
-                    check_environment_class(target, f"{path}:{name}")
+                    import_function(*setup["check"])(target, f"{path}:{name}")
                 except ValueError as e:
                     raise WorkerStartError(str(e)) from None
-            targets[label] = (target, setup["check"] == "classes")
+            targets[label] = (target, setup["check"] is not None)  # checked: a class, built per object
     except WorkerStartError as e:
         conn.send(("error", str(e)))
         return

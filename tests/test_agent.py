@@ -562,6 +562,46 @@ def test_fsdp2_two_processes_with_lopsided_turns_do_not_hang(agent_workdir, call
     assert len(train) == 2 and all(m["agent/tool_calls_mean"] == pytest.approx(0.5) for m in train)
 
 
+HELLO_ENV = '''
+from environments import Step
+
+class Hello:
+    """Asks for hello extra_info["turns"] times, rewarding each turn that says it."""
+    def reset(self, row):
+        self.left = row["extra_info"]["turns"]
+    def step(self, text):
+        self.left -= 1
+        return Step([{"role": "user", "content": "Say hello."}], reward=float(text.strip() == "hello"),
+                    done=self.left == 0)
+'''
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="gloo on CPU, as tests/test_fsdp.py")
+def test_fsdp2_two_processes_stay_in_step_with_episodes_of_different_lengths(agent_workdir, caller_dir, tmp_path):
+    """ppo.py with rollout.multi_turn.env on 2 FSDP2 processes (HF generate, a collective): process 0's games last
+    3 turns and process 1's 1, so process 1 generates stand-ins while process 0 plays on. The run finishes; the
+    turns are the environments' (mean 2), and the score is the environment's return (its rule adds 0), both in
+    training and in validation."""
+    import data
+    (tmp_path / "hello.py").write_text(HELLO_ENV)
+    hello = [{"prompt": [{"role": "user", "content": "Say hello."}], "ground_truth": "hello",
+              "data_source": "environment", "extra_info": {"turns": turns}} for turns in (3, 3, 1, 1)]
+    data.write_parquet(hello * 4, str(tmp_path / "hello.parquet"))
+    out = tmp_path / "out"
+    run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/fsdp2.yaml",
+         "--num_processes", "2", "--main_process_port", str(free_port()),
+         *agent_args(agent_workdir, caller_dir, "", out, f"data.train_files={tmp_path}/hello.parquet",
+                     f"data.val_files={tmp_path}/hello.parquet", "reward.function=", "rollout.multi_turn.tools=[]",
+                     f"rollout.multi_turn.env={tmp_path}/hello.py:Hello", "rollout.multi_turn.max_turns=4",
+                     "rollout.max_response_length=80",
+                     "data.shuffle=false", "rollout.temperature=0", "trainer.sample_freq=0")])
+    train = [m for m in read_metrics(out) if "score/mean" in m]
+    assert len(train) == 2 and all(m["agent/turns_mean"] == pytest.approx(2.0) for m in train)
+    assert all(m["score/mean"] == pytest.approx(m["agent/env_return_mean"]) for m in train)
+    assert train[0]["agent/env_return_mean"] > 1.5  # the taught model says hello
+    assert train[-1]["val/agent/turns_mean"] == pytest.approx(2.0)
+
+
 @pytest.fixture
 def no_model_loads(monkeypatch):
     """Any from_pretrained of a model (not a tokenizer) fails the test."""

@@ -249,7 +249,8 @@ def test_a_killed_run_leaves_no_process_behind(files, tmp_path):
         import sys, time
         sys.path.insert(0, {REPO!r})
         from infra.episodes import ObjectHost
-        host = ObjectHost({{"env": ("{files}/envs.py", "Faulty")}}, 5.0, check="classes")
+        host = ObjectHost({{"env": ("{files}/envs.py", "Faulty")}}, 5.0, check=("{REPO}/environments.py",
+                                                                               "check_environment_class"))
         keys = host.open("env", 2)
         host.call_all([(k, "reset", ({{"extra_info": {{"turns": 3, "fault": "spawn"}}}},)) for k in keys])
         host.call_all([(k, "step", ("go",)) for k in keys] * 2)
