@@ -244,7 +244,7 @@ class HostedEnvironment:
     def reset(self, rows: list[dict]) -> list:
         """A new instance per row, reset on it: each a Reset, None (the row's own prompt) or the exception."""
         self.end()
-        if self.host.proc is None:
+        if not self.host.alive():
             self.host = self.start()
         self.keys = self.host.open("env", len(rows))
         results = self.host.call_all([(key, "reset", (row,)) for key, row in zip(self.keys, rows)])
@@ -257,7 +257,7 @@ class HostedEnvironment:
 
     def end(self) -> None:
         """The batch's instances leave (their close() called)."""
-        if self.keys and self.host.proc is not None:
+        if self.keys and self.host.alive():
             self.host.end(self.keys)
         self.keys = []
 
@@ -326,10 +326,13 @@ class ToolEnvironment:
     hosted = False  # the library's own code: it runs here, its tools in their processes
 
     def __init__(self, specs: list[str], parse, timeout_s: float, max_chars: int, max_calls: int):
-        targets = tool_targets(specs)
-        self.parse, self.names, self.max_chars, self.max_calls = parse, set(targets), max_chars, max_calls
+        self.targets, self.timeout_s = tool_targets(specs), timeout_s
+        self.parse, self.names, self.max_chars, self.max_calls = parse, set(self.targets), max_chars, max_calls
+        self.host = self.start()
+
+    def start(self) -> ObjectHost:
         try:
-            self.host = ObjectHost(targets, timeout_s)
+            return ObjectHost(self.targets, self.timeout_s)
         except WorkerStartError as e:
             raise ConfigError(f"rollout.multi_turn.tools: {e}") from None
 
@@ -337,6 +340,8 @@ class ToolEnvironment:
         return [None] * len(rows)  # the rows' own prompts
 
     def step(self, episodes: list[int], texts: list[str], final: list[bool]) -> list[Step]:
+        if not self.host.alive():  # the worker itself was lost (its calls answered errors): a new one
+            self.host = self.start()
         parsed = [self.parse(text, self.names) for text in texts]
         over = f"not run: more than {self.max_calls} calls in one turn (rollout.multi_turn.max_calls_per_turn)"
         calls = [[c if k < self.max_calls else replace(c, error=over) for k, c in enumerate(turn)]

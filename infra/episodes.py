@@ -55,6 +55,10 @@ class ObjectHost:
             self.close()
             raise WorkerStartError(message[1] if message else f"the worker for {targets} did not start")
 
+    def alive(self) -> bool:
+        """False once the worker was closed, lost or ended: start a new ObjectHost."""
+        return self.proc is not None and self.proc.poll() is None
+
     def receive(self, deadline: float):
         """The worker's next message, or None when none comes by `deadline` or the worker ended."""
         try:
@@ -76,6 +80,8 @@ class ObjectHost:
         """(key, method, args[, kwargs]) → getattr(object, method)(*args, **kwargs), method None: object(*args,
         **kwargs); all at once, each object's in order. Each result, or a CallFailed (it raised, took longer than
         timeout_s, ended its process, or its object is gone)."""
+        if self.proc is None:
+            return [CallFailed("WorkerDied: the episode worker was lost before this call")] * len(calls)
         results, pending = [None] * len(calls), set(range(len(calls)))
         self.send([("call", i, call[0], call[1], call[2], call[3] if len(call) > 3 else {}) for i, call in
                    enumerate(calls)])
@@ -100,7 +106,7 @@ class ObjectHost:
 
     def send(self, messages: list) -> None:
         if self.proc is None:
-            raise CallFailed("WorkerDied: the episode worker was closed")
+            return  # lost: call_all answers each call so
         try:
             self.conn.send(messages)
         except OSError:

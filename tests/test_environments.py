@@ -171,7 +171,8 @@ def test_an_environments_own_first_messages_are_the_prompt(tokenizer, files):
 def test_failing_hanging_exiting_and_malformed_environments_cost_their_sample(tokenizer, files):
     """A reset that raises, a step that raises, hangs holding the GIL, calls os._exit or returns what is not a
     Step each end their own episode there, with the reason in the record and agent/env_errors_share; the other
-    samples (and the next batch) play on untouched, and the hang costs env_timeout_s, not the run."""
+    samples play on untouched, the hang costs env_timeout_s, not the run, and a worker lost between batches is
+    started again for the next."""
     from agent import generate_for
     faults = ["none", "reset", "raise", "gil", "exit", "malformed", "none"]
     ro_ = env_rollout(tokenizer, f"{files}/envs.py:Faulty", timeout_s=1.0)
@@ -179,6 +180,8 @@ def test_failing_hanging_exiting_and_malformed_environments_cost_their_sample(to
         start = time.monotonic()
         ro = generate_for(ro_, rows_of(tokenizer, [{"turns": 3, "fault": f} for f in faults]), 1, 1.0, seed=0)
         elapsed = time.monotonic() - start
+        os.killpg(ro_.s.environment.host.proc.pid, signal.SIGKILL)  # the worker itself lost: the next batch's new
+        ro_.s.environment.host.proc.wait()
         again = generate_for(ro_, rows_of(tokenizer, [{"turns": 2, "fault": "none"}]), 1, 1.0, seed=0)
     finally:
         ro_.close()
