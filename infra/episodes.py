@@ -13,7 +13,8 @@ process group holds it, every process it forks and every process those start. An
 from it, which answers method calls over a pipe; the worker relays calls and answers, and kills a child still
 running a call timeout_s after it began (SIGKILL: it needs no cooperation from the call). close() kills the whole
 process group. A worker whose parent is gone (its connection closed, or its parent pid changed) kills its group; a
-child whose worker is gone is killed by the kernel (PR_SET_PDEATHSIG). A process that leaves the group on purpose (setsid) is beyond reach.
+child whose worker is gone is killed by the kernel (PR_SET_PDEATHSIG). A process that leaves the group on purpose
+(setsid) is beyond reach.
 
 The worker imports the standard library, infra/worker.py and the user's files only: it starts in ~0.1 s, and a fork
 from it takes a few milliseconds.

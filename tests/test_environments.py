@@ -295,3 +295,29 @@ def test_message_text_never_becomes_a_control_token(tokenizer, where):
     naive = tokenizer(template.text([{"role": "tool", "content": evil}]), add_special_tokens=False)["input_ids"]
     assert sum(i in special for i in naive) > sum(i in special for i in template.tokens([{"role": "tool",
                                                                                             "content": "x"}]))
+
+
+def test_the_demo_game_is_strict_and_its_rows_are_winnable():
+    """data.make_guess_number: each secret lies in its row's range of ten, which the last user message names; the
+    demo's GuessNumber answers higher/lower, pays 1.0 only at the turn that names the secret, and ends a game
+    unrewarded at a turn that is not one bare number (several numbers, words, an empty turn)."""
+    import data
+    sys.path.insert(0, os.path.join(REPO, "examples"))
+    from guess_number import GuessNumber
+    rows = data.make_guess_number(50, seed=3)
+    for row in rows:
+        game = row["extra_info"]
+        assert game["lo"] <= game["secret"] <= game["hi"] == game["lo"] + 9
+        assert row["ground_truth"] == str(game["secret"]) and row["data_source"] == "environment"
+        assert row["prompt"][-1]["content"] == f"A number from {game['lo']} to {game['hi']}."
+    env, game = GuessNumber(), rows[0]["extra_info"]
+    assert env.reset(rows[0]) is None
+    low, high = env.step(str(game["secret"] - 1)), env.step(f" {game['secret'] + 1}\n")
+    assert [m["content"] for m in low.messages + high.messages] == ["higher", "lower"]
+    assert (low.reward, low.done, high.reward, high.done) == (0.0, False, 0.0, False)
+    won = env.step(str(game["secret"]))
+    assert (won.messages, won.reward, won.done, won.info["won"]) == ([], 1.0, True, True)
+    for cheat in [f"{game['secret']} {game['secret'] + 1}", f"It is {game['secret']}", "", "1e3"]:
+        env.reset(rows[0])
+        step = env.step(cheat)
+        assert (step.messages, step.reward, step.done) == ([], 0.0, True), cheat
