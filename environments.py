@@ -51,6 +51,7 @@ run. A class that cannot be imported or built is refused at start-up in one sent
 The built-in environment, when rollout.multi_turn.env is empty, is ToolEnvironment (agent.py): the tool calls of
 rollout.multi_turn.tools, each run in a process of its own.
 """
+import inspect
 import os
 import re
 from dataclasses import dataclass, field, replace
@@ -129,7 +130,6 @@ def as_step(result) -> Step:
 
 def check_environment_class(cls, spec: str) -> None:
     """A ValueError in one sentence unless `cls` is a class built without arguments with callable reset and step."""
-    import inspect
     if not inspect.isclass(cls):
         raise ValueError(f"{spec} is a {type(cls).__name__}, not a class")
     missing = [name for name in ("reset", "step") if not callable(getattr(cls, name, None))]

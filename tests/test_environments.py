@@ -321,3 +321,24 @@ def test_the_demo_game_is_strict_and_its_rows_are_winnable():
         env.reset(rows[0])
         step = env.step(cheat)
         assert (step.messages, step.reward, step.done) == ([], 0.0, True), cheat
+
+
+def test_what_other_libraries_environments_return_is_read_as_theirs():
+    """reset: None keeps the row's prompt, a str is appended to the last user message (TRL's environment_factory),
+    SkyRL-Gym's (prompt, metadata) pair and a bare message list are the prompt; step: gym's 4- and 5-tuples
+    (terminated or truncated ends it), SkyRL-Gym's dict, a str observation as one user message; a NaN reward or a
+    message that is not {role, content} is an error, not a reward."""
+    from environments import as_reset, as_step, Reset, Step
+    row = {"prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "Play."}]}
+    user = [{"role": "user", "content": "go"}]
+    assert as_reset(None, row) is None
+    assert as_reset(" You have 3 lives.", row) == Reset([row["prompt"][0], {"role": "user",
+                                                                             "content": "Play. You have 3 lives."}])
+    assert as_reset((user, {"seed": 1}), row) == as_reset(user, row) == Reset(user)
+    assert as_step(("higher", 0.5, False, {"k": 1})) == Step([{"role": "user", "content": "higher"}], 0.5,
+                                                            False, {"k": 1})
+    assert as_step((user, 1, False, True, {})).done and not as_step((user, 1, False, False, {})).done
+    assert as_step({"observations": user, "reward": None, "done": True}) == Step(user, 0.0, True, {})
+    for bad in [Step(user, float("nan")), Step([{"role": "user"}]), Step(user, info=[1]), "text", 3]:
+        with pytest.raises((TypeError, ValueError)):
+            as_step(bad)
