@@ -335,8 +335,8 @@ def test_what_other_libraries_environments_return_is_read_as_theirs():
     assert as_reset(" You have 3 lives.", row) == Reset([row["prompt"][0], {"role": "user",
                                                                              "content": "Play. You have 3 lives."}])
     assert as_reset((user, {"seed": 1}), row) == as_reset(user, row) == Reset(user)
-    assert as_step(("higher", 0.5, False, {"k": 1})) == Step([{"role": "user", "content": "higher"}], 0.5,
-                                                            False, {"k": 1})
+    higher = [{"role": "user", "content": "higher"}]
+    assert as_step(("higher", 0.5, False, {"k": 1})) == Step(higher, 0.5, False, {"k": 1})
     assert as_step((user, 1, False, True, {})).done and not as_step((user, 1, False, False, {})).done
     assert as_step({"observations": user, "reward": None, "done": True}) == Step(user, 0.0, True, {})
     for bad in [Step(user, float("nan")), Step([{"role": "user"}]), Step(user, info=[1]), "text", 3]:
