@@ -33,7 +33,8 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from environments import HostedEnvironment, ToolEnvironment, ToolTemplate
+from environments import HostedEnvironment, ToolTemplate
+from environments_tools import MethodEnvironment, ToolEnvironment
 from infra.config import ConfigError
 from infra.distributed import max_over_processes
 from infra.worker import CallFailed
@@ -134,7 +135,7 @@ class TurnSettings:
     max_turns: int
     max_length: int  # rollout.max_response_length: the whole row
     max_prompt_length: int  # data.max_prompt_length: an environment's first messages
-    environment: object  # ToolEnvironment, or environments.HostedEnvironment
+    environment: object  # environments.HostedEnvironment, or environments_tools' ToolEnvironment, MethodEnvironment
 
 
 def turn_seed(seed: Optional[int], turn: int) -> Optional[int]:
@@ -229,7 +230,7 @@ class AgentRollout:
                     raise step
                 e.rewards.append((max(len(e.tokens) - 1, 0), step.reward))
                 e.infos.append(step.info)
-                if not self.s.environment.hosted:  # the tool environment's counts (agent/* metrics)
+                if self.s.environment.counts_tools:  # a tool environment's counts (agent/* metrics)
                     e.well_formed, e.malformed = e.well_formed + step.info["well_formed"], e.malformed + step.info[
                         "malformed"]
                 if end or step.done or not step.messages:
@@ -245,7 +246,7 @@ class AgentRollout:
             e.logprobs += [0.0] * len(ids)  # unused with HF, which has no sampler logprobs
             e.turns += step.messages
             e.tool_rounds += 1
-            if not self.s.environment.hosted:
+            if self.s.environment.counts_tools:
                 e.tool_calls += step.info["tool_calls"]
                 e.tool_results += step.info["tool_results"]
                 e.tool_errors += step.info["tool_errors"]
@@ -323,9 +324,14 @@ def check_multi_turn(cfg, tokenizer) -> Optional[TurnSettings]:
     if m.max_calls_per_turn < 1:
         raise ConfigError(f"rollout.multi_turn.max_calls_per_turn must be at least 1, got {m.max_calls_per_turn}")
     ToolTemplate(tokenizer)
-    environment = (HostedEnvironment(m.env, m.env_timeout_s) if m.env else
-                   ToolEnvironment(m.tools, PARSERS[m.format], m.tool_timeout_s, m.max_tool_response_length,
-                                   m.max_calls_per_turn))
+    if m.tools:
+        environment = ToolEnvironment(m.tools, PARSERS[m.format], m.tool_timeout_s, m.max_tool_response_length,
+                                      m.max_calls_per_turn)
+    else:
+        environment = HostedEnvironment(m.env, m.env_timeout_s)
+        if environment.trl:  # TRL's environment_factory class: its methods are the tools
+            environment = MethodEnvironment(environment, PARSERS[m.format], m.max_tool_response_length,
+                                            m.max_calls_per_turn)
     return TurnSettings(m.max_turns, cfg.rollout.max_response_length, cfg.data.max_prompt_length, environment)
 
 

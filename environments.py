@@ -48,18 +48,19 @@ raises, returns something else, takes longer than rollout.multi_turn.env_timeout
 episode where it is (the turns so far kept, no further reward) and counts in agent/env_errors; it never ends the
 run. A class that cannot be imported or built is refused at start-up in one sentence.
 
-The built-in environment, when rollout.multi_turn.env is empty, is ToolEnvironment (agent.py): the tool calls of
-rollout.multi_turn.tools, each run in a process of its own.
+The built-in environment, when rollout.multi_turn.env is empty, is ToolEnvironment (environments_tools.py): the
+tool calls of rollout.multi_turn.tools, each run in a process of its own. A class of TRL's environment_factory
+(reset(**row), public methods, get_reward(); no step) has its methods called as the tools there (MethodEnvironment).
 """
 import inspect
 import os
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Optional
 
 from infra.config import ConfigError
 from infra.episodes import ObjectHost
-from infra.worker import CallFailed, WorkerStartError
+from infra.worker import WorkerStartError
 
 
 @dataclass
@@ -128,22 +129,35 @@ def as_step(result) -> Step:
     return Step(as_messages(result.messages, "Step.messages"), reward, bool(result.done), dict(result.info))
 
 
-def check_environment_class(cls, spec: str) -> None:
-    """A ValueError in one sentence unless `cls` is a class built without arguments with callable reset and step."""
+def check_environment_class(cls, spec: str) -> Optional[dict]:
+    """A ValueError in one sentence unless `cls` is a class built without arguments with callable reset and step, or
+    a class of TRL's environment_factory (reset, no step, public methods: the tools); for the latter, its tools
+    {"tools": [names], "schemas": JSON schemas or None, "get_reward": bool}, None for the former."""
     if not inspect.isclass(cls):
         raise ValueError(f"{spec} is a {type(cls).__name__}, not a class")
+    methods = [name for name, fn in inspect.getmembers(cls, callable) if not name.startswith("_")
+               and name not in ("reset", "step", "get_reward", "close")]
+    trl = callable(getattr(cls, "reset", None)) and not hasattr(cls, "step") and methods
     missing = [name for name in ("reset", "step") if not callable(getattr(cls, name, None))]
-    if missing:
+    if missing and not trl:
         raise ValueError(f"{spec} has no method {' or '.join(missing)}: an environment needs reset(row) and step(text)")
     try:
         signature = inspect.signature(cls)
     except (TypeError, ValueError):
-        return  # a class implemented in C: built and seen at the first reset
-    required = [p.name for p in signature.parameters.values()
-                if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        signature = None  # a class implemented in C: built and seen at the first reset
+    required = [p.name for p in signature.parameters.values() if p.default is p.empty and p.kind in (
+        p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)] if signature else []
     if required:
         raise ValueError(f"{spec}'s constructor needs {', '.join(required)}; an environment is built with no "
                          f"arguments (reset(row) gets the row)")
+    if not trl:
+        return None
+    try:  # as TRL shows them to the chat template (transformers reads each method's docstring)
+        from transformers.utils import get_json_schema
+        schemas = [get_json_schema(getattr(cls, name)) for name in methods]
+    except Exception:
+        schemas = None  # the prompt must then describe the tools
+    return {"tools": methods, "schemas": schemas, "get_reward": callable(getattr(cls, "get_reward", None))}
 
 
 # ---------------------------------------------------------------------------------------
@@ -225,6 +239,7 @@ class HostedEnvironment:
     each turn, end(). A call that fails is returned as the exception (CallFailed, TypeError, …): it ends that
     episode only. The worker is started again at the next reset when it was lost."""
     hosted = True  # the user's code: every call runs in the episode's process
+    counts_tools = False  # its infos are its own (ToolEnvironment's hold the calls, for agent/*)
 
     def __init__(self, spec: str, timeout_s: float):
         path, _, name = spec.rpartition(":")
@@ -234,6 +249,7 @@ class HostedEnvironment:
             raise ConfigError(f"rollout.multi_turn.env: file {path} does not exist (in {spec!r})")
         self.target, self.timeout_s, self.keys = {"env": (path, name)}, timeout_s, []
         self.host = self.start()
+        self.trl = self.host.checks["env"]  # TRL's environment_factory class: its tools (environments_tools.py)
 
     def start(self) -> ObjectHost:
         try:
@@ -241,13 +257,15 @@ class HostedEnvironment:
         except WorkerStartError as e:
             raise ConfigError(f"rollout.multi_turn.env: {e}") from None
 
-    def reset(self, rows: list[dict]) -> list:
-        """A new instance per row, reset on it: each a Reset, None (the row's own prompt) or the exception."""
+    def reset(self, rows: list[dict], keywords: bool = False) -> list:
+        """A new instance per row, reset on it (reset(row), or as TRL calls it, reset(**row)): each a Reset, None
+        (the row's own prompt) or the exception."""
         self.end()
         if not self.host.alive():
             self.host = self.start()
         self.keys = self.host.open("env", len(rows))
-        results = self.host.call_all([(key, "reset", (row,)) for key, row in zip(self.keys, rows)])
+        results = self.host.call_all([(key, "reset", (), {k: v for k, v in row.items() if k not in (
+            "prompt_ids", "prompt_text")}) if keywords else (key, "reset", (row,)) for key, row in zip(self.keys, rows)])
         return [checked(as_reset, result, row) for result, row in zip(results, rows)]
 
     def step(self, episodes: list[int], texts: list[str], final: list[bool]) -> list:
@@ -273,97 +291,3 @@ def checked(normalise, result, *args):
         return normalise(result, *args)
     except (TypeError, ValueError, KeyError) as e:
         return e
-
-
-# ---------------------------------------------------------------------------------------
-# The built-in environment: the tools, plain Python functions, each call run in a process of its own
-
-
-def tool_targets(specs: list[str]) -> dict[str, tuple[str, str]]:
-    """{function name: (file, function name)} for each `path/to/file.py:function` of rollout.multi_turn.tools; a
-    ConfigError naming the key otherwise."""
-    targets = {}
-    for spec in specs:
-        path, _, name = spec.rpartition(":")
-        if not path or not name:
-            raise ConfigError(f"rollout.multi_turn.tools: {spec!r} must be path/to/file.py:function")
-        if not os.path.isfile(path):
-            raise ConfigError(f"rollout.multi_turn.tools: file {path} does not exist (in {spec!r})")
-        targets[name] = (path, name)
-    return targets
-
-
-@dataclass(frozen=True)
-class ToolResult:
-    text: str  # what the model reads
-    ok: bool  # False: the call was malformed, raised, timed out or ended its process (the text says which)
-
-
-def run_tools(calls: list, host: ObjectHost, max_chars: int) -> list[ToolResult]:
-    """Each call's answer: str(tool(**arguments)) (hermes) or str(tool(text)) (tag), cut to max_chars. All calls run
-    at once, each in a process of its own (infra/episodes.py) killed after rollout.multi_turn.tool_timeout_s: a call
-    that raises, hangs, or ends its process answers an error, and what it started is ended with the run."""
-    runnable = [i for i, call in enumerate(calls) if call.error is None]
-    keys = [key for i in runnable for key in host.open(calls[i].name, 1)]
-    outcomes = host.call_all([(key, None, () if isinstance(calls[i].arguments, dict) else (calls[i].arguments,),
-                               calls[i].arguments if isinstance(calls[i].arguments, dict) else {})
-                              for key, i in zip(keys, runnable)])
-    host.end(keys)
-    answers = [ToolResult(f"error: {call.error}", False) for call in calls]
-    for i, outcome in zip(runnable, outcomes):
-        timed_out = isinstance(outcome, CallFailed) and str(outcome).startswith("TimeoutError")
-        answers[i] = (ToolResult(f"error: the tool took longer than {host.timeout_s:g} s", False) if timed_out else
-                      ToolResult(f"error: {outcome}", False) if isinstance(outcome, CallFailed) else
-                      ToolResult(str(outcome), True))
-    return [a if len(a.text) <= max_chars else ToolResult(a.text[:max_chars] + "...(truncated)", a.ok)
-            for a in answers]
-
-
-class ToolEnvironment:
-    """The built-in environment (the contract above, batched as HostedEnvironment): no state and no reward. A turn's
-    tool calls are answered by tool messages, and a turn that writes none ends the episode; at most max_calls of a
-    turn run, the rest are answered with an error (issue 34). A final turn's calls are counted but not run."""
-    hosted = False  # the library's own code: it runs here, its tools in their processes
-
-    def __init__(self, specs: list[str], parse, timeout_s: float, max_chars: int, max_calls: int):
-        self.targets, self.timeout_s = tool_targets(specs), timeout_s
-        self.parse, self.names, self.max_chars, self.max_calls = parse, set(self.targets), max_chars, max_calls
-        self.host = self.start()
-
-    def start(self) -> ObjectHost:
-        try:
-            return ObjectHost(self.targets, self.timeout_s)
-        except WorkerStartError as e:
-            raise ConfigError(f"rollout.multi_turn.tools: {e}") from None
-
-    def reset(self, rows: list[dict]) -> list:
-        return [None] * len(rows)  # the rows' own prompts
-
-    def step(self, episodes: list[int], texts: list[str], final: list[bool]) -> list[Step]:
-        if not self.host.alive():  # the worker itself was lost (its calls answered errors): a new one
-            self.host = self.start()
-        parsed = [self.parse(text, self.names) for text in texts]
-        over = f"not run: more than {self.max_calls} calls in one turn (rollout.multi_turn.max_calls_per_turn)"
-        calls = [[c if k < self.max_calls else replace(c, error=over) for k, c in enumerate(turn)]
-                 for turn, last in zip(parsed, final) if not last]
-        results = iter(run_tools([c for turn in calls for c in turn], self.host, self.max_chars))
-        steps, ran = [], iter(calls)
-        for turn, last in zip(parsed, final):
-            well_formed = sum(c.error is None for c in turn)
-            info = {"well_formed": well_formed, "malformed": len(turn) - well_formed}
-            if last:
-                steps.append(Step([], done=True, info=info))
-                continue
-            answers = [(call, next(results)) for call in next(ran)]
-            steps.append(Step([{"role": "tool", "name": c.name, "content": r.text} for c, r in answers],
-                              done=not answers, info={**info, "tool_calls": [
-                                  {"name": c.name, "arguments": c.arguments, "error": c.error} for c, _ in answers],
-                                  "tool_results": [r.text for _, r in answers],
-                                  "tool_errors": sum(not r.ok and c.error is None for c, r in answers)}))
-        return steps
-
-    def end(self) -> None:
-        pass
-
-    def close(self) -> None:
-        self.host.close()

@@ -41,8 +41,8 @@ class ObjectHost:
 
     def __init__(self, targets: dict, timeout_s: float, check: Optional[tuple[str, str]] = None):
         """check: (file, function) that the worker calls on each target, check(target, "path:name"), before it says
-        it is ready: its ValueError refuses the targets (environments.check_environment_class); the targets are
-        then classes, each object built by calling it with no arguments."""
+        it is ready: its ValueError refuses the targets (environments.check_environment_class), what it returns is
+        in self.checks; the targets are then classes, each object built by calling it with no arguments."""
         self.timeout_s, self.next_key = timeout_s, 0
         mine, theirs = Pipe()
         self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), str(theirs.fileno())],
@@ -55,6 +55,7 @@ class ObjectHost:
         if message is None or message[0] != "ready":
             self.close()
             raise WorkerStartError(message[1] if message else f"the worker for {targets} did not start")
+        self.checks = message[1]  # {label: what check returned}
 
     def alive(self) -> bool:
         """False once the worker was closed, lost or ended: start a new ObjectHost."""
@@ -257,20 +258,20 @@ def serve(conn: Connection) -> None:
     """Import the targets, say so, then relay until the parent closes the connection."""
     setup = conn.recv()
     sys.path[:] = setup["sys_path"]
-    targets = {}
+    targets, checks = {}, {}
     try:
         for label, (path, name) in setup["targets"].items():
             target = import_function(path, name)
             if setup["check"]:
                 try:
-                    import_function(*setup["check"])(target, f"{path}:{name}")
+                    checks[label] = import_function(*setup["check"])(target, f"{path}:{name}")
                 except ValueError as e:
                     raise WorkerStartError(str(e)) from None
             targets[label] = (target, setup["check"] is not None)  # checked: a class, built per object
     except WorkerStartError as e:
         conn.send(("error", str(e)))
         return
-    conn.send(("ready", None))
+    conn.send(("ready", checks))
     timeout_s = setup["timeout_s"]
     relay = Relay(conn, targets, timeout_s)
     while True:

@@ -103,7 +103,7 @@ def test_tools_answer_fail_time_out_and_are_cut(tools_file):
     """A tool's return value as text; a raising tool, a malformed call and a tool slower than the timeout answer
     an error (the slow one without holding up the rest); a long answer is cut and marked."""
     from agent import ToolCall
-    from environments import run_tools, tool_targets
+    from environments_tools import run_tools, tool_targets
     from infra.episodes import ObjectHost
     host = ObjectHost(tool_targets([f"{tools_file}:add", f"{tools_file}:slow", f"{tools_file}:shout"]), 0.5)
     calls = [ToolCall("add", "2+3"), ToolCall("add", "x+1"), ToolCall("slow", ""), ToolCall("?", "{", "bad JSON"),
@@ -129,7 +129,7 @@ def test_tools_answer_fail_time_out_and_are_cut(tools_file):
 ])
 def test_a_bad_tool_spec_is_one_sentence_naming_the_key(tools_file, tmp_path, spec, sentence):
     from agent import PARSERS
-    from environments import ToolEnvironment
+    from environments_tools import ToolEnvironment
     with pytest.raises(ConfigError) as e:
         ToolEnvironment([spec.format(tmp=tmp_path, tools=tools_file)], PARSERS["tag"], 1.0, 64, 8)
     assert sentence.format(tmp=tmp_path, tools=tools_file) in str(e.value)
@@ -211,7 +211,7 @@ BEFORE_AFTER = {
 def agent_rollout(tokenizer, tools_file, reply=calculator_script, max_turns=3, max_length=128, reduce_max=None,
                   fmt="tag", tools=("add",)):
     from agent import AgentRollout, PARSERS, TurnSettings
-    from environments import ToolEnvironment
+    from environments_tools import ToolEnvironment
     environment = ToolEnvironment([f"{tools_file}:{t}" for t in tools], PARSERS[fmt], 1.0, 64, 8)
     settings = TurnSettings(max_turns, max_length, 512, environment)
     backend = ScriptedBackend(tokenizer, reply)

@@ -61,6 +61,21 @@ class Faulty(Counter):
                 subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
         return super().step(text)
 
+class Increment:
+    """TRL's environment_factory shape: reset(**row), a public method as the tool, get_reward()."""
+    def reset(self, **row):
+        self.count = row["extra_info"]["start"]
+    def increment(self, a: int) -> int:
+        """Add to the counter.
+
+        Args:
+            a: How much to add.
+        """
+        self.count += a
+        return self.count
+    def get_reward(self) -> float:
+        return float(self.count)
+
 def not_a_class():
     pass
 
@@ -221,7 +236,7 @@ def test_tools_that_hang_holding_the_gil_exit_or_spawn_leave_the_run_whole(token
     tool_timeout_s and one that calls os._exit answers an error, the others answer; at most max_calls_per_turn of
     a turn's calls run; the processes a tool and an environment start are gone once the rollout is closed."""
     from agent import AgentRollout, PARSERS, TurnSettings
-    from environments import ToolEnvironment
+    from environments_tools import ToolEnvironment
     script = "<gil>x</gil><leave>x</leave><spawn>x</spawn><echo>a</echo><echo>b</echo>"
     environment = ToolEnvironment([f"{files}/tools.py:{t}" for t in ("gil", "leave", "spawn", "echo")],
                                   PARSERS["tag"], 1.0, 200, max_calls=4)
@@ -342,3 +357,29 @@ def test_what_other_libraries_environments_return_is_read_as_theirs():
     for bad in [Step(user, float("nan")), Step([{"role": "user"}]), Step(user, info=[1]), "text", 3]:
         with pytest.raises((TypeError, ValueError)):
             as_step(bad)
+
+
+def test_a_trl_environment_factory_class_has_its_methods_called_as_tools(tokenizer, files):
+    """A class of TRL's environment_factory (no step): reset(**row), its public method the tool the model calls
+    (Hermes format), on the episode's own instance, so its count carries from call to call; its JSON schema shown
+    to the chat template; the turn without a call ends the episode, paid get_reward() at that turn's last token."""
+    from agent import check_multi_turn, generate_for, with_tools
+    from infra.cli import load_config
+    cfg = load_config(None, ["rollout.multi_turn.enable=true", f"rollout.multi_turn.env={files}/envs.py:Increment",
+                             "rollout.multi_turn.max_turns=4", "rollout.max_response_length=400"])
+    settings = check_multi_turn(cfg, tokenizer)
+    assert [s["function"]["name"] for s in settings.environment.schemas] == ["increment"]
+    calls = ['<tool_call>{"name": "increment", "arguments": {"a": 2}}</tool_call>',
+             '<tool_call>{"name": "increment", "arguments": {"a": 3}}</tool_call>', "done"]
+    reply = lambda context, j: calls[context.count("<|im_start|>tool")]  # noqa: E731
+    ro_ = with_tools(ScriptedBackend(tokenizer, reply), settings, tokenizer)
+    try:
+        ro = generate_for(ro_, rows_of(tokenizer, [{"start": 10}, {"start": 20}]), 1, 1.0)
+    finally:
+        ro_.close()
+    assert [c["tool_results"] for c in ro.conversations] == [["12", "15"], ["22", "25"]]
+    assert [c["rewards"] for c in ro.conversations] == [[0.0, 0.0, 15.0], [0.0, 0.0, 25.0]]
+    last_eos = [int(((ro.responses[i] == tokenizer.eos_token_id) & ro.response_mask[i].bool()).nonzero()[-1])
+                for i in range(2)]
+    assert [ro.token_rewards[i, last_eos[i]].item() for i in range(2)] == [15.0, 25.0]
+    assert ro.token_rewards.sum().item() == 40.0
