@@ -264,8 +264,9 @@ class HostedEnvironment:
         if not self.host.alive():
             self.host = self.start()
         self.keys = self.host.open("env", len(rows))
-        results = self.host.call_all([(key, "reset", (), {k: v for k, v in row.items() if k not in (
-            "prompt_ids", "prompt_text")}) if keywords else (key, "reset", (row,)) for key, row in zip(self.keys, rows)])
+        columns = [{k: v for k, v in row.items() if k not in ("prompt_ids", "prompt_text")} for row in rows]
+        results = self.host.call_all([(key, "reset", (), row) if keywords else (key, "reset", (row,))
+                                      for key, row in zip(self.keys, columns if keywords else rows)])
         return [checked(as_reset, result, row) for result, row in zip(results, rows)]
 
     def step(self, episodes: list[int], texts: list[str], final: list[bool]) -> list:
