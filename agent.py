@@ -231,8 +231,8 @@ class AgentRollout:
                 e.rewards.append((max(len(e.tokens) - 1, 0), step.reward))
                 e.infos.append(step.info)
                 if self.s.environment.counts_tools:  # a tool environment's counts (agent/* metrics)
-                    e.well_formed, e.malformed = e.well_formed + step.info["well_formed"], e.malformed + step.info[
-                        "malformed"]
+                    e.well_formed += step.info["well_formed"]
+                    e.malformed += step.info["malformed"]
                 if end or step.done or not step.messages:
                     continue
                 ids = self.template.tokens(step.messages)
