@@ -597,7 +597,8 @@ def test_fsdp2_two_processes_stay_in_step_with_episodes_of_different_lengths(age
                      "data.shuffle=false", "rollout.temperature=0", "trainer.sample_freq=0")])
     train = [m for m in read_metrics(out) if "score/mean" in m]
     assert len(train) == 2 and all(m["agent/turns_mean"] == pytest.approx(2.0) for m in train)
-    assert all(m["score/mean"] == pytest.approx(m["agent/env_return_mean"]) > 0 for m in train)  # some hellos
+    assert all(m["score/mean"] == pytest.approx(m["agent/env_return_mean"]) for m in train)
+    assert all(m["agent/env_return_mean"] > 0 for m in train)  # some hellos: the equality is not 0 = 0
     assert train[-1]["val/agent/turns_mean"] == pytest.approx(2.0)
 
 
