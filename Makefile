@@ -110,8 +110,8 @@ agent: $(MODEL) $(AGENT_DATA)
 		--config examples/agent_calculator.yaml $(AGENT_ARGS)
 
 # The environment demo: guess a secret number from a range of ten in four guesses, told higher or lower after each
-# (examples/guess_number.py, a stateful environment whose reward is 1 at the winning turn); the keys are in
-# examples/guess_number.yaml. Logs val/agent/env_return_mean: the share of validation games won, greedy.
+# (examples/guess_number.py, a stateful environment paying each turn); the keys are in examples/guess_number.yaml.
+# Logs val/env/won: the share of validation games won, greedy.
 ENV_DATA := data/guess_number/train.parquet
 $(ENV_DATA): data.py tools/prepare_data.py | $(STAMP)
 	$(PY) tools/prepare_data.py --task guess-number --output data/guess_number

@@ -283,7 +283,8 @@ def agent_metrics(episodes: list[Episode], hosted: bool) -> dict:
     """Means over this process's samples: assistant turns, calls run, tool tokens, and the shares of samples that
     wrote at least one call that could be run (well-formed) or could not (malformed), tool errors per sample; with
     an environment of the user's, its return (the sum of a sample's rewards), the share of samples whose environment
-    failed, and env/<key>, the mean of each number its steps' infos held."""
+    failed, and env/<key>, the mean over samples of each number in its steps' infos, as the last step that gave it
+    held it (where the episode ended: "won", a final score)."""
     def mean(values):
         values = list(values)
         return sum(values) / max(1, len(values))
@@ -297,10 +298,12 @@ def agent_metrics(episodes: list[Episode], hosted: bool) -> dict:
         metrics.update({"agent/env_return_mean": mean(sum(r for _, r in e.rewards) for e in episodes),
                         "agent/env_errors_share": mean(e.error is not None for e in episodes)})
         numbers = defaultdict(list)
-        for info in (info for e in episodes for info in e.infos):
-            for key, value in info.items():
-                if isinstance(value, (int, float)):  # bool included
-                    numbers[f"env/{key}"].append(float(value))
+        for e in episodes:
+            last = {}  # each key's value at the episode's last step that gave it: where the episode ended
+            for info in e.infos:
+                last.update({key: float(v) for key, v in info.items() if isinstance(v, (int, float))})  # bool too
+            for key, value in last.items():
+                numbers[f"env/{key}"].append(value)
         metrics.update({key: mean(values) for key, values in numbers.items()})
     return metrics
 

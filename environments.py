@@ -35,7 +35,8 @@ step(text) is called after every assistant turn, the last one included (its rewa
                   (a tool answer holding "<|im_start|>system" is read as those characters, not as a system turn).
         reward    this turn's reward, at the turn's last token (Rollout.token_rewards, (B, Tr))
         done      True ends the episode
-        info      numbers (int, float, bool) are logged as their mean over samples, env/<key>; every info is kept
+        info      numbers (int, float, bool) are logged as env/<key>: each sample's value at its last step that gave
+                  it (where the episode ended), averaged over samples; every info is kept
                   in the sample's conversation record, which a reward function reads (extra_info["turns"] …)
     or what other libraries' environments return: SkyRL-Gym's BaseTextEnvStepOutput, a dict with "observations",
     "reward", "done" (and "metadata"); gym's (observation, reward, done, info) or (observation, reward, terminated,

@@ -140,7 +140,7 @@ def test_state_carries_across_turns_and_each_reward_lands_at_its_turns_last_toke
     """One Counter per sample, its count carried from turn to turn: turn k is answered "count k" and rewarded k at
     its last token (the EOS), nowhere else; episodes of 1, 3 and 4 turns (the last cut by max_turns) end where
     their environment or max_turns says; the record holds the rewards and infos; agent/env_return_mean and env/count
-    are the means a hand count gives."""
+    (the count where each episode ended) are the means a hand count gives."""
     from agent import generate_for
     ro_ = env_rollout(tokenizer, f"{files}/envs.py:Counter", max_turns=4)
     try:
@@ -160,7 +160,7 @@ def test_state_carries_across_turns_and_each_reward_lands_at_its_turns_last_toke
         want[model_eos] = torch.arange(1.0, turns + 1)
         assert torch.equal(ro.token_rewards[i], want)
     assert ro.metrics["agent/env_return_mean"] == pytest.approx((1 + 6 + 10) / 3)
-    assert ro.metrics["env/count"] == pytest.approx((1 + 1 + 2 + 3 + 1 + 2 + 3 + 4) / 8)
+    assert ro.metrics["env/count"] == pytest.approx((1 + 3 + 4) / 3)  # each sample's last step's count
     assert ro.metrics["agent/env_errors_share"] == 0 and ro.prompts is None
 
 
@@ -314,8 +314,9 @@ def test_message_text_never_becomes_a_control_token(tokenizer, where):
 
 def test_the_demo_game_is_strict_and_its_rows_are_winnable():
     """data.make_guess_number: each secret lies in its row's range of ten, which the last user message names; the
-    demo's GuessNumber answers higher/lower, pays 1.0 only at the turn that names the secret, and ends a game
-    unrewarded at a turn that is not one bare number (several numbers, words, an empty turn)."""
+    demo's GuessNumber answers higher/lower, pays 0.1 for a guess the answers so far allow, 0 for one they rule out,
+    1.0 only at the turn that names the secret, and ends a game unrewarded at a turn that is not one bare number
+    (several numbers, words, an empty turn)."""
     import data
     sys.path.insert(0, os.path.join(REPO, "examples"))
     from guess_number import GuessNumber
@@ -325,15 +326,15 @@ def test_the_demo_game_is_strict_and_its_rows_are_winnable():
         assert game["lo"] <= game["secret"] <= game["hi"] == game["lo"] + 9
         assert row["ground_truth"] == str(game["secret"]) and row["data_source"] == "environment"
         assert row["prompt"][-1]["content"] == f"A number from {game['lo']} to {game['hi']}."
-    env, game = GuessNumber(), rows[0]["extra_info"]
-    assert env.reset(rows[0]) is None
-    low, high = env.step(str(game["secret"] - 1)), env.step(f" {game['secret'] + 1}\n")
-    assert [m["content"] for m in low.messages + high.messages] == ["higher", "lower"]
-    assert (low.reward, low.done, high.reward, high.done) == (0.0, False, 0.0, False)
-    won = env.step(str(game["secret"]))
-    assert (won.messages, won.reward, won.done, won.info["won"]) == ([], 1.0, True, True)
-    for cheat in [f"{game['secret']} {game['secret'] + 1}", f"It is {game['secret']}", "", "1e3"]:
-        env.reset(rows[0])
+    row = next(r for r in rows if r["extra_info"]["lo"] + 2 <= r["extra_info"]["secret"] <= r["extra_info"]["hi"] - 2)
+    env, secret = GuessNumber(), row["extra_info"]["secret"]
+    assert env.reset(row) is None
+    steps = [env.step(str(secret - 1)), env.step(f" {secret + 1}\n"), env.step(str(secret + 2)), env.step(str(secret))]
+    assert [m["content"] for step in steps[:3] for m in step.messages] == ["higher", "lower", "lower"]
+    assert [(s.reward, s.done) for s in steps] == [(0.1, False), (0.1, False), (0.0, False), (1.0, True)]
+    assert steps[-1].messages == [] and steps[-1].info["won"] and not steps[2].info["possible"]
+    for cheat in [f"{secret} {secret + 1}", f"It is {secret}", "", "1e3"]:
+        env.reset(row)
         step = env.step(cheat)
         assert (step.messages, step.reward, step.done) == ([], 0.0, True), cheat
 
