@@ -7,7 +7,7 @@ STAMP := .venv/.install-stamp
 MODEL := models/SmolLM2-135M-Instruct/config.json
 DATA := data/arithmetic/train.parquet
 
-.PHONY: install run test prepare preferences reward-model rlhf agent FORCE
+.PHONY: install run test prepare preferences reward-model rlhf agent env FORCE
 install: $(STAMP)
 	@echo ".venv: $$(cat $(STAMP))"
 
@@ -108,3 +108,14 @@ $(AGENT_DATA): data.py tools/prepare_data.py | $(STAMP)
 agent: $(MODEL) $(AGENT_DATA)
 	OMP_NUM_THREADS=$(THREADS) .venv/bin/accelerate launch --num_processes 1 ppo.py \
 		--config examples/agent_calculator.yaml $(AGENT_ARGS)
+
+# The environment demo: guess a secret number from a range of ten in four guesses, told higher or lower after each
+# (examples/guess_number.py, a stateful environment paying each turn); the keys are in examples/guess_number.yaml.
+# Logs val/env/won: the share of validation games won, greedy.
+ENV_DATA := data/guess_number/train.parquet
+$(ENV_DATA): data.py tools/prepare_data.py | $(STAMP)
+	$(PY) tools/prepare_data.py --task guess-number --output data/guess_number
+
+env: $(MODEL) $(ENV_DATA)
+	OMP_NUM_THREADS=$(THREADS) .venv/bin/accelerate launch --num_processes 1 ppo.py \
+		--config examples/guess_number.yaml $(ENV_ARGS)

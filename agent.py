@@ -1,41 +1,43 @@
-"""Multi-turn rollouts: the model calls tools, reads their answers and goes on (verl's tool agent loop, in one file).
+"""Multi-turn rollouts: the model's turns, an environment's answers between them (verl's tool agent loop, in one file).
 
-    accelerate launch ppo.py --config examples/agent_calculator.yaml        # the demo (make agent)
-    … rollout.multi_turn.enable=true rollout.multi_turn.tools=[path/to/tools.py:search]   # Hermes-format calls
+    accelerate launch ppo.py --config examples/agent_calculator.yaml        # tools (make agent)
+    accelerate launch ppo.py --config examples/guess_number.yaml            # an environment (make env)
 
-`AgentRollout` wraps any rollout backend (rollout.KINDS) and runs up to `max_turns` assistant turns per
-sample. A turn ends at EOS; the tool calls written in it (PARSERS) run (run_tools), their answers are appended as tool
-messages through the tokenizer's chat template (ToolTemplate), and the model goes on from there: the next turn's
-prompt is the whole row so far, so vLLM's prefix cache holds the turns before it. Each response is one token row:
+`AgentRollout` wraps a rollout backend (rollout.py) and runs up to `max_turns` assistant turns per sample. A turn
+ends at EOS; the environment (environments.py: the user's class, or the built-in ToolEnvironment running the tool
+calls written in the turn, PARSERS) answers it with messages, a reward and whether the episode is done; the messages
+are appended through the tokenizer's chat template (ToolTemplate, their text never read as control tokens), and the
+model goes on from there: the next turn's prompt is the whole row so far, so vLLM's prefix cache holds the turns
+before it. Each response is one token row:
 
-    responses       turn 1 (model) | tool answer, next header | turn 2 (model) | … | padding
-    response_mask   1 … 1          | 0 … 0                    | 1 … 1          | … | 0     loss, KL, entropy
-    attention_mask  1 … 1          | 1 … 1                    | 1 … 1          | … | 0     what the forwards see
+    responses       turn 1 (model) | answer, next header | turn 2 (model) | … | padding
+    response_mask   1 … 1          | 0 … 0               | 1 … 1          | … | 0     loss, KL, entropy
+    attention_mask  1 … 1          | 1 … 1               | 1 … 1          | … | 0     what the forwards see
     logprobs        the sampler's on the model's tokens, 0 elsewhere (None with HF)
+    token_rewards   each turn's reward at its last token (None when no turn had one)
 
 so the trainer's forward over the row sees at every model token exactly what the sampler saw.
-rollout.max_response_length bounds the whole row. Each sample's conversation (Episode.record: the turns, the tool
-calls, their results, num_turns) is what the reward function finds in extra_info (rewards.py).
+rollout.max_response_length bounds the whole row. Each sample's conversation (Episode.record) is what the reward
+function finds in extra_info (rewards.py).
 
 Departures from verl 0.9.1's ToolAgentLoop: a call that cannot be read is answered with an error message (verl drops
-it); the tokens after the model's EOS come from the chat template rendered around the tool messages (verl renders
+it); the tokens after the model's EOS come from the chat template rendered around the messages (verl renders
 them alone and, for Qwen, inserts the newline between turns by a model-specific builder).
 """
-import importlib.util
 import json
-import os
 import random
 import re
-import sys
-import threading
-import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
 import torch
 
+from environments import HostedEnvironment, ToolTemplate
+from environments_tools import MethodEnvironment, ToolEnvironment
 from infra.config import ConfigError
 from infra.distributed import max_over_processes
+from infra.worker import CallFailed
 from rollout import right_pad, Rollout
 
 # ---------------------------------------------------------------------------------------
@@ -108,103 +110,6 @@ PARSERS = {"hermes": parse_hermes, "tag": parse_tag}  # rollout.multi_turn.forma
 
 
 # ---------------------------------------------------------------------------------------
-# The tools: plain Python functions, each run in a thread with a timeout
-
-
-def load_tools(specs: list[str]) -> dict[str, Callable]:
-    """{function name: function} for each `path/to/file.py:function` of rollout.multi_turn.tools; a ConfigError
-    naming the key otherwise."""
-    tools = {}
-    for spec in specs:
-        path, _, name = spec.rpartition(":")
-        if not path or not name:
-            raise ConfigError(f"rollout.multi_turn.tools: {spec!r} must be path/to/file.py:function")
-        if not os.path.isfile(path):
-            raise ConfigError(f"rollout.multi_turn.tools: file {path} does not exist (in {spec!r})")
-        module_name = "agent_tools_" + re.sub(r"\W", "_", os.path.splitext(os.path.abspath(path))[0])
-        module_spec = importlib.util.spec_from_file_location(module_name, path)
-        module = sys.modules[module_name] = importlib.util.module_from_spec(module_spec)
-        try:
-            module_spec.loader.exec_module(module)
-        except Exception as e:
-            raise ConfigError(f"rollout.multi_turn.tools: importing {path} failed: {type(e).__name__}: {e}") from e
-        if not callable(getattr(module, name, None)):
-            raise ConfigError(f"rollout.multi_turn.tools: {path} has no function `{name}`")
-        tools[name] = getattr(module, name)
-    return tools
-
-
-@dataclass(frozen=True)
-class ToolResult:
-    text: str  # what the model reads
-    ok: bool  # False: the call was malformed, raised or timed out (the text says which)
-
-
-def run_tools(calls: list[ToolCall], tools: dict, timeout: float, max_chars: int) -> list[ToolResult]:
-    """Each call's answer: str(tool(**arguments)) (hermes) or str(tool(text)) (tag), cut to max_chars. All calls
-    run at once, each in a daemon thread given `timeout` seconds; one that raises or runs longer answers an error.
-    Python cannot stop a thread, so a tool that never returns is left running (it does not keep the run alive)."""
-    answers = [None] * len(calls)
-
-    def call_one(i, call):
-        try:
-            fn = tools[call.name]
-            answers[i] = ToolResult(str(fn(**call.arguments) if isinstance(call.arguments, dict)
-                                        else fn(call.arguments)), True)
-        except Exception as e:
-            answers[i] = ToolResult(f"error: {type(e).__name__}: {e}", False)
-
-    threads = []
-    for i, call in enumerate(calls):
-        if call.error:
-            answers[i] = ToolResult(f"error: {call.error}", False)
-        else:
-            threads.append(threading.Thread(target=call_one, args=(i, call), daemon=True))
-            threads[-1].start()
-    deadline = time.monotonic() + timeout
-    for thread in threads:
-        thread.join(max(0.0, deadline - time.monotonic()))
-    answers = [a if a is not None else ToolResult(f"error: the tool took longer than {timeout} s", False)
-               for a in answers]
-    return [a if len(a.text) <= max_chars else ToolResult(a.text[:max_chars] + "...(truncated)", a.ok)
-            for a in answers]
-
-
-# ---------------------------------------------------------------------------------------
-# Tool answers as tokens: what the chat template writes after the model's EOS
-
-
-class ToolTemplate:
-    """tokens(tool messages) → the ids that follow an assistant turn's EOS: the rest of the template's end of turn
-    (chatml's newline), the tool messages, the next assistant header.
-
-    Rendered around a stand-in conversation: the text after the EOS that closes its assistant turn, in
-    template(stand-in + tool messages, add_generation_prompt=True). That is the conversation as the template writes
-    it, provided the template only appends (checked here, once, at start-up: ConfigError otherwise)."""
-    STAND_IN = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
-
-    def __init__(self, tokenizer):
-        self.tokenizer, eos = tokenizer, tokenizer.eos_token
-        if tokenizer.chat_template is None:
-            raise ConfigError("rollout.multi_turn needs a tokenizer with a chat template (model.tokenizer_path) to "
-                              "write tool answers as messages")
-        before = tokenizer.apply_chat_template(self.STAND_IN, tokenize=False)
-        self.prefix = before[:before.rfind(eos) + len(eos)] if eos and eos in before else None
-        probe = self.text([{"role": "tool", "name": "probe", "content": "PROBE"}])
-        if probe is None or "PROBE" not in probe:
-            raise ConfigError(f"rollout.multi_turn: the tokenizer's chat template does not end an assistant turn with "
-                              f"its EOS {eos!r} and then append tool messages after it; use a chatml-style template "
-                              f"(model.tokenizer_path)")
-
-    def text(self, messages: list[dict]) -> Optional[str]:
-        after = self.tokenizer.apply_chat_template(self.STAND_IN + messages, tokenize=False, add_generation_prompt=True)
-        return after[len(self.prefix):] if self.prefix and after.startswith(self.prefix) else None
-
-    def tokens(self, messages: list[dict]) -> list[int]:
-        return self.tokenizer(self.text(messages), add_special_tokens=False)["input_ids"]
-
-
-# ---------------------------------------------------------------------------------------
 # One sample's conversation, and the loop over turns
 
 
@@ -212,34 +117,42 @@ class ToolTemplate:
 class Episode:
     """One sample's response row as it grows, and the record the reward reads."""
     prompt: list[int]
-    tokens: list[int] = field(default_factory=list)  # the response row: the model's and the tools' tokens
+    index: int  # its environment's (the row i·n + j of the rollout)
+    tokens: list[int] = field(default_factory=list)  # the response row: the model's and the messages' tokens
     mask: list[int] = field(default_factory=list)  # 1 = the model's token
-    logprobs: list[float] = field(default_factory=list)  # the sampler's; 0.0 on tool tokens
-    turns: list[dict] = field(default_factory=list)  # the messages after the prompt, assistant and tool
+    logprobs: list[float] = field(default_factory=list)  # the sampler's; 0.0 on the messages' tokens
+    turns: list[dict] = field(default_factory=list)  # the messages after the prompt, assistant, tool and user
     tool_calls: list[dict] = field(default_factory=list)  # each call that ran: name, arguments, error
     tool_results: list[str] = field(default_factory=list)  # its answer, in the same order
-    pending: list[ToolCall] = field(default_factory=list)  # calls of the last turn, when it ended at EOS
+    rewards: list[tuple[int, float]] = field(default_factory=list)  # (position of the turn's last token, reward)
+    infos: list[dict] = field(default_factory=list)  # each step's info
+    fresh: bool = False  # its last turn waits for the environment's answer
+    going_on: bool = False  # its last turn was answered with messages: it waits for the model's next turn
+    ended_at_eos: bool = False  # its last turn did
+    error: Optional[str] = None  # why its environment failed: the episode ended there
     well_formed: int = 0  # calls written that could be run (the last turn's included)
     malformed: int = 0  # calls written that could not
     tool_errors: int = 0  # calls that ran and raised or timed out
-    tool_rounds: int = 0  # turns whose calls ran (each answered by one or more tool messages)
+    tool_rounds: int = 0  # turns answered by messages (one or more)
 
-    def record(self) -> dict:
-        """What rewards.py adds to extra_info."""
+    def record(self, hosted: bool) -> dict:
+        """What rewards.py adds to extra_info; with an environment of the user's (hosted), its rewards, infos and
+        error too."""
         assistant_turns = sum(m["role"] == "assistant" for m in self.turns)
-        return {"turns": self.turns, "tool_calls": self.tool_calls, "tool_results": self.tool_results,
-                "num_turns": 1 + assistant_turns + self.tool_rounds}  # as verl counts: the prompt is one
+        record = {"turns": self.turns, "tool_calls": self.tool_calls, "tool_results": self.tool_results,
+                  "num_turns": 1 + assistant_turns + self.tool_rounds}  # as verl counts: the prompt is one
+        if hosted:
+            record.update(rewards=[r for _, r in self.rewards], infos=self.infos, env_error=self.error)
+        return record
 
 
 @dataclass(frozen=True)
 class TurnSettings:
-    """What AgentRollout reads of rollout.multi_turn, with the loaded tools."""
+    """What AgentRollout reads of rollout.multi_turn, with the environment."""
     max_turns: int
     max_length: int  # rollout.max_response_length: the whole row
-    parse: Callable  # PARSERS[format]
-    tools: dict
-    tool_timeout: float
-    max_tool_chars: int
+    max_prompt_length: int  # data.max_prompt_length: an environment's first messages
+    environment: object  # environments.HostedEnvironment, or environments_tools' ToolEnvironment, MethodEnvironment
 
 
 def turn_seed(seed: Optional[int], turn: int) -> Optional[int]:
@@ -248,134 +161,223 @@ def turn_seed(seed: Optional[int], turn: int) -> Optional[int]:
 
 
 class AgentRollout:
-    """A backend's generate, turn after turn; its Rollout carries the attention mask, the conversations and agent/*
-    metrics beside the usual fields. `reduce_max` makes every process run the same number of generate calls of the
-    same size (HF generate under FSDP2 is a collective): a process with fewer waiting samples pads with stand-ins."""
+    """A backend's generate, turn after turn, an environment answering each turn; its Rollout carries the attention
+    mask, the conversations, the environment's rewards at each turn's last token and agent/* metrics beside the usual
+    fields. `reduce_max` makes every process run the same number of generate calls of the same size (HF generate
+    under FSDP2 is a collective): a process with fewer waiting samples pads with stand-ins."""
 
     def __init__(self, backend, tokenizer, settings: TurnSettings, reduce_max: Callable[[int], int] = lambda x: x):
         self.backend, self.tokenizer, self.s, self.reduce_max = backend, tokenizer, settings, reduce_max
         self.template = ToolTemplate(tokenizer)
         self.eos_ids = backend.eos_ids
 
-    def sync_weights(self, model, version: int = 0) -> None:
-        self.backend.sync_weights(model, version)
+    def sync_weights(self, *args) -> None:
+        self.backend.sync_weights(*args)
 
     def close(self) -> None:
+        self.s.environment.close()
         self.backend.close()
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], n: int, temperature: float, seed: Optional[int] = None) -> Rollout:
-        s = self.s
-        episodes = [Episode(p) for p in prompts for _ in range(n)]  # row i·n + j: sample j of prompt i
-        first = self.backend.generate(prompts, n, temperature, seed=seed)
-        self.add_turns(episodes, first, last=s.max_turns == 1)
-        for turn in range(2, s.max_turns + 1):
-            waiting = self.answer_calls([e for e in episodes if e.pending])
-            count = self.reduce_max(len(waiting))  # the same on every process
-            if count == 0:
-                break
-            stand_ins = count - len(waiting)
-            stand_in = prompts[0] if prompts else [self.tokenizer.pad_token_id]  # this process may have none
-            contexts = [e.prompt + e.tokens for e in waiting] + [stand_in] * stand_ins
-            budgets = [s.max_length - len(e.tokens) for e in waiting] + [1] * stand_ins
-            out = self.backend.generate(contexts, 1, temperature, seed=turn_seed(seed, turn), max_tokens=budgets)
-            self.add_turns(waiting, out, last=turn == s.max_turns)
-        responses, attention_mask = right_pad([e.tokens for e in episodes], self.tokenizer.pad_token_id)  # (B·n, Tr)
-        response_mask, _ = right_pad([e.mask for e in episodes], 0)  # (B·n, Tr)
-        logprobs = None  # HF has none
-        if first.logprobs is not None:
-            logprobs, _ = right_pad([e.logprobs for e in episodes], 0.0, dtype=torch.float32)  # (B·n, Tr)
-        return Rollout(responses, response_mask, logprobs, attention_mask=attention_mask,
-                       conversations=[e.record() for e in episodes], metrics=agent_metrics(episodes))
+    def generate(self, prompts: list[list[int]], n: int, temperature: float, seed: Optional[int] = None,
+                 max_tokens: Optional[list[int]] = None, rows: Optional[list[dict]] = None) -> Rollout:
+        """rows: the prompts' data rows, which the environment's reset reads (generate_for passes them)."""
+        s, env = self.s, self.s.environment
+        episodes = [Episode(p, i * n + j) for i, p in enumerate(prompts) for j in range(n)]  # sample j of prompt i
+        self.reset(episodes, [row for row in rows or [{"prompt_ids": p} for p in prompts] for _ in range(n)])
+        try:
+            if all(e.prompt is prompts[e.index // n] for e in episodes):
+                first = self.backend.generate(prompts, n, temperature, seed=seed, max_tokens=max_tokens)
+            else:  # the environment wrote its own first messages
+                first = self.backend.generate([e.prompt for e in episodes], 1, temperature, seed=seed,
+                                              max_tokens=max_tokens and [b for b in max_tokens for _ in range(n)])
+            self.add_turns(episodes, first)
+            for turn in range(2, s.max_turns + 2):
+                self.answer([e for e in episodes if e.fresh and e.error is None], last=turn > s.max_turns)
+                waiting = [e for e in episodes if e.going_on]
+                count = self.reduce_max(len(waiting)) if turn <= s.max_turns else 0  # the same on every process
+                if count == 0:
+                    break
+                stand_ins = count - len(waiting)
+                stand_in = prompts[0] if prompts else [self.tokenizer.pad_token_id]  # this process may have none
+                contexts = [e.prompt + e.tokens for e in waiting] + [stand_in] * stand_ins
+                budgets = [s.max_length - len(e.tokens) for e in waiting] + [1] * stand_ins
+                out = self.backend.generate(contexts, 1, temperature, seed=turn_seed(seed, turn), max_tokens=budgets)
+                self.add_turns(waiting, out)
+        finally:
+            env.end()
+        return self.rollout(episodes, first.logprobs is not None, prompts, n)
 
-    def add_turns(self, episodes: list[Episode], out: Rollout, last: bool) -> None:
-        """Append each episode's new model turn (row k of `out`) and read the calls in it; they wait for the next
-        turn (pending) unless this is the last one or the turn did not end at EOS."""
+    def reset(self, episodes: list[Episode], rows: list[dict]) -> None:
+        """Each episode's first messages, from its environment's reset: its prompt ids unless it keeps the row's.
+        A reset that fails, or whose prompt is longer than data.max_prompt_length, ends the episode after its first
+        turn (sampled from the row's prompt)."""
+        for e, result in zip(episodes, self.s.environment.reset(rows)):
+            try:
+                if isinstance(result, Exception):
+                    raise result
+                if result is not None:
+                    e.prompt = self.template.prompt(result.messages, result.tools)
+                    if len(e.prompt) > self.s.max_prompt_length:
+                        raise ValueError(f"reset's prompt is {len(e.prompt)} tokens, more than data.max_prompt_length="
+                                         f"{self.s.max_prompt_length}")
+            except Exception as exc:
+                e.prompt, e.error = rows[e.index].get("prompt_ids", e.prompt), f"reset: {reason(exc)}"
+
+    def add_turns(self, episodes: list[Episode], out: Rollout) -> None:
+        """Append each episode's new model turn (row k of `out`)."""
         for k, e in enumerate(episodes):
             tokens = out.responses[k, :int(out.response_mask[k].sum())].tolist()
             e.tokens += tokens
             e.mask += [1] * len(tokens)
             e.logprobs += out.logprobs[k, :len(tokens)].tolist() if out.logprobs is not None else []
-            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-            e.turns.append({"role": "assistant", "content": text})
-            calls = self.s.parse(text, self.s.tools.keys())
-            e.well_formed += sum(c.error is None for c in calls)
-            e.malformed += sum(c.error is not None for c in calls)
-            ended = bool(tokens) and tokens[-1] in self.eos_ids
-            e.pending = calls if ended and not last else []
+            e.turns.append({"role": "assistant", "content": self.tokenizer.decode(tokens, skip_special_tokens=True)})
+            e.ended_at_eos, e.fresh, e.going_on = bool(tokens) and tokens[-1] in self.eos_ids, True, False
 
-    def answer_calls(self, episodes: list[Episode]) -> list[Episode]:
-        """Run every pending call of these episodes at once and append the answers as tool tokens (mask 0); return
-        the episodes that go on: those whose answers leave room for at least one more token of the model."""
-        calls = [c for e in episodes for c in e.pending]
-        results = iter(run_tools(calls, self.s.tools, self.s.tool_timeout, self.s.max_tool_chars))
-        going_on = []
-        for e in episodes:
-            answers = [(call, next(results)) for call in e.pending]
-            e.pending = []
-            messages = [{"role": "tool", "name": call.name, "content": r.text} for call, r in answers]
-            ids = self.template.tokens(messages)
+    def answer(self, episodes: list[Episode], last: bool) -> None:
+        """The environment's step on each episode's new turn: its reward at the turn's last token, and its messages
+        appended (mask 0) when the episode goes on: the turn ended at EOS, it was not the last, the step is not done
+        and leaves room for at least one more token of the model."""
+        final = [last or not e.ended_at_eos for e in episodes]
+        steps = self.s.environment.step([e.index for e in episodes], [e.turns[-1]["content"] for e in episodes], final)
+        for e, step, end in zip(episodes, steps, final):
+            e.fresh = False
+            try:
+                if isinstance(step, Exception):
+                    raise step
+                e.rewards.append((max(len(e.tokens) - 1, 0), step.reward))
+                e.infos.append(step.info)
+                if self.s.environment.counts_tools:  # a tool environment's counts (agent/* metrics)
+                    e.well_formed += step.info["well_formed"]
+                    e.malformed += step.info["malformed"]
+                if end or step.done or not step.messages:
+                    continue
+                ids = self.template.tokens(step.messages)
+            except Exception as exc:
+                e.error = f"step: {reason(exc)}"
+                continue
             if len(e.tokens) + len(ids) >= self.s.max_length:
-                continue  # no room left to read the answers and reply: the episode ends at its call
+                continue  # no room left to read the messages and reply: the episode ends at its turn
             e.tokens += ids
             e.mask += [0] * len(ids)
             e.logprobs += [0.0] * len(ids)  # unused with HF, which has no sampler logprobs
-            e.turns += messages
-            e.tool_calls += [{"name": c.name, "arguments": c.arguments, "error": c.error} for c, _ in answers]
-            e.tool_results += [r.text for _, r in answers]
-            e.tool_errors += sum(not r.ok and c.error is None for c, r in answers)
+            e.turns += step.messages
             e.tool_rounds += 1
-            going_on.append(e)
-        return going_on
+            if self.s.environment.counts_tools:
+                e.tool_calls += step.info["tool_calls"]
+                e.tool_results += step.info["tool_results"]
+                e.tool_errors += step.info["tool_errors"]
+            e.going_on = True
+
+    def rollout(self, episodes: list[Episode], with_logprobs: bool, prompts: list, n: int) -> Rollout:
+        """The episodes as one Rollout: right-padded rows, the rewards at their tokens (None when no step gave
+        one), the prompts where an environment wrote its own."""
+        hosted = self.s.environment.hosted
+        responses, attention_mask = right_pad([e.tokens for e in episodes], self.tokenizer.pad_token_id)  # (B·n, Tr)
+        response_mask, _ = right_pad([e.mask for e in episodes], 0)  # (B·n, Tr)
+        logprobs = right_pad([e.logprobs for e in episodes], 0.0, dtype=torch.float32)[0] if with_logprobs else None
+        token_rewards = torch.zeros(responses.shape, dtype=torch.float32)  # (B·n, Tr)
+        for i, e in enumerate(episodes):
+            for position, reward in e.rewards:
+                token_rewards[i, position] += reward
+        own_prompts = any(e.prompt is not prompts[e.index // n] for e in episodes)
+        records = [e.record(hosted) for e in episodes]
+        if own_prompts:
+            for e, record in zip(episodes, records):
+                record["prompt_text"] = self.tokenizer.decode(e.prompt)
+        return Rollout(responses, response_mask, logprobs, attention_mask=attention_mask, conversations=records,
+                       metrics=agent_metrics(episodes, hosted),
+                       token_rewards=token_rewards if any(r for e in episodes for _, r in e.rewards) else None,
+                       prompts=[e.prompt for e in episodes] if own_prompts else None)
 
 
-def agent_metrics(episodes: list[Episode]) -> dict:
+def reason(exc: Exception) -> str:
+    """Why an environment's call failed: a CallFailed's own "<Type>: <message>", or the exception's."""
+    return str(exc) if isinstance(exc, CallFailed) else f"{type(exc).__name__}: {exc}"
+
+
+def agent_metrics(episodes: list[Episode], hosted: bool) -> dict:
     """Means over this process's samples: assistant turns, calls run, tool tokens, and the shares of samples that
-    wrote at least one call that could be run (well-formed) or could not (malformed), tool errors per sample."""
+    wrote at least one call that could be run (well-formed) or could not (malformed), tool errors per sample; with
+    an environment of the user's, its return (the sum of a sample's rewards), the share of samples whose environment
+    failed, and env/<key>, the mean over samples of each number in its steps' infos, as the last step that gave it
+    held it (where the episode ended: "won", a final score)."""
     def mean(values):
         values = list(values)
         return sum(values) / max(1, len(values))
-    return {"agent/turns_mean": mean(sum(m["role"] == "assistant" for m in e.turns) for e in episodes),
-            "agent/tool_calls_mean": mean(len(e.tool_calls) for e in episodes),
-            "agent/tool_tokens_mean": mean(len(e.mask) - sum(e.mask) for e in episodes),
-            "agent/well_formed_share": mean(e.well_formed > 0 for e in episodes),
-            "agent/malformed_share": mean(e.malformed > 0 for e in episodes),
-            "agent/tool_errors_mean": mean(e.tool_errors for e in episodes)}
+    metrics = {"agent/turns_mean": mean(sum(m["role"] == "assistant" for m in e.turns) for e in episodes),
+               "agent/tool_calls_mean": mean(len(e.tool_calls) for e in episodes),
+               "agent/tool_tokens_mean": mean(len(e.mask) - sum(e.mask) for e in episodes),
+               "agent/well_formed_share": mean(e.well_formed > 0 for e in episodes),
+               "agent/malformed_share": mean(e.malformed > 0 for e in episodes),
+               "agent/tool_errors_mean": mean(e.tool_errors for e in episodes)}
+    if hosted:
+        metrics.update({"agent/env_return_mean": mean(sum(r for _, r in e.rewards) for e in episodes),
+                        "agent/env_errors_share": mean(e.error is not None for e in episodes)})
+        numbers = defaultdict(list)
+        for e in episodes:
+            last = {}  # each key's value at the episode's last step that gave it: where the episode ended
+            for info in e.infos:
+                last.update({key: float(v) for key, v in info.items() if isinstance(v, (int, float))})  # bool too
+            for key, value in last.items():
+                numbers[f"env/{key}"].append(value)
+        metrics.update({key: mean(values) for key, values in numbers.items()})
+    return metrics
 
 
 # ---------------------------------------------------------------------------------------
 # What ppo.py calls
 
 
-def check_multi_turn(cfg_rollout, tokenizer) -> Optional[TurnSettings]:
-    """Before any model loads: the tools import, the chat template can write tool messages; None when
-    rollout.multi_turn is off."""
-    m = cfg_rollout.multi_turn
+def check_multi_turn(cfg, tokenizer) -> Optional[TurnSettings]:
+    """Before any model loads: the environment's class (or the tools) imported in its worker process and checked,
+    the chat template able to write messages; None when rollout.multi_turn is off. The settings hold the started
+    environment (closed by AgentRollout.close)."""
+    m = cfg.rollout.multi_turn
     if not m.enable:
         return None
-    if not m.tools:
-        raise ConfigError("rollout.multi_turn.enable=true needs tools: rollout.multi_turn.tools=[path/to/file.py:fn]")
+    if bool(m.tools) == bool(m.env):
+        raise ConfigError("rollout.multi_turn.enable=true needs tools (rollout.multi_turn.tools=[path/to/file.py:fn]) "
+                          "or an environment (rollout.multi_turn.env=path/to/file.py:Class), not both")
     if m.format not in PARSERS:
         raise ConfigError(f"rollout.multi_turn.format={m.format!r} is not one of {', '.join(PARSERS)}")
+    if m.max_calls_per_turn < 1:
+        raise ConfigError(f"rollout.multi_turn.max_calls_per_turn must be at least 1, got {m.max_calls_per_turn}")
     ToolTemplate(tokenizer)
-    return TurnSettings(m.max_turns, cfg_rollout.max_response_length, PARSERS[m.format], load_tools(m.tools),
-                        m.tool_timeout_s, m.max_tool_response_length)
+    if m.tools:
+        environment = ToolEnvironment(m.tools, PARSERS[m.format], m.tool_timeout_s, m.max_tool_response_length,
+                                      m.max_calls_per_turn)
+    else:
+        environment = HostedEnvironment(m.env, m.env_timeout_s)
+        if environment.trl:  # TRL's environment_factory class: its methods are the tools
+            environment = MethodEnvironment(environment, PARSERS[m.format], m.max_tool_response_length,
+                                            m.max_calls_per_turn)
+    return TurnSettings(m.max_turns, cfg.rollout.max_response_length, cfg.data.max_prompt_length, environment)
 
 
-def with_tools(backend, cfg_rollout, tokenizer):
-    """`backend` itself, or with rollout.multi_turn on, an AgentRollout around it whose turns are counted over
-    every process; not with rollout.steps_ahead, whose turns run in a thread beside the loop's collectives (a backend
-    that runs ahead has weights of its own and makes no collective call: rollout.check_rollout)."""
-    settings = check_multi_turn(cfg_rollout, tokenizer)
-    reduce_max = (lambda count: count) if cfg_rollout.steps_ahead else max_over_processes
-    return backend if settings is None else AgentRollout(backend, tokenizer, settings, reduce_max)
+def with_tools(backend, settings: Optional[TurnSettings], tokenizer):
+    """`backend` itself, or with rollout.multi_turn on (settings from check_multi_turn), an AgentRollout around it
+    whose turns are counted over every process."""
+    return backend if settings is None else AgentRollout(backend, tokenizer, settings, max_over_processes)
+
+
+def generate_for(rollout, rows: list[dict], n: int, temperature: float, seed: Optional[int] = None) -> Rollout:
+    """rollout.generate on the rows' prompts; an AgentRollout gets the rows too, which its environment's reset
+    reads."""
+    prompts = [row["prompt_ids"] for row in rows]
+    if isinstance(rollout, AgentRollout):
+        return rollout.generate(prompts, n, temperature, seed=seed, rows=rows)
+    return rollout.generate(prompts, n, temperature, seed=seed)
 
 
 def with_conversations(rows: list[dict], ro: Rollout) -> list[dict]:
     """rows with each sample's conversation under "conversation" (the reward's extra_info: rewards.py), when the
-    rollout had turns."""
+    rollout had turns, and the prompt an environment wrote in place of the row's."""
     if ro.conversations is None:
         return rows
+    if ro.prompts is not None:  # an environment wrote them: the batch's queries
+        rows = [{**row, "prompt_ids": p, "prompt_text": c["prompt_text"]} for row, p, c in
+                zip(rows, ro.prompts, ro.conversations)]
     return [{**row, "conversation": c} for row, c in zip(rows, ro.conversations)]
 
 

@@ -363,3 +363,29 @@ def make_arithmetic_tool(n: int, seed: int) -> list[dict]:
         rows.append({"prompt": arithmetic_tool_prompt(a, b), "ground_truth": str(a + b), "data_source": "arithmetic",
                      "extra_info": {"index": i, "a": a, "b": b}})
     return rows
+
+
+# ---- the environment demo (make env): guess a secret number from a range of ten, told higher or lower after each
+# guess (examples/guess_number.py). Shown one worked game, SmolLM2-135M-Instruct answers with bare numbers but mostly
+# outside the range it is given (15, 16, 17, 18 for 50 to 59): greedy, it wins 0.115 of 200 games in 4 guesses, 0.07
+# in 3 (measured with vLLM, bf16, before this demo was written). Binary search wins every game in 4.
+GUESS_SYSTEM = "Guess my secret number. Reply with one number only. After each guess I say higher or lower."
+GUESS_SHOT = [{"role": "user", "content": "A number from 1 to 10."}, {"role": "assistant", "content": "5"},
+              {"role": "user", "content": "higher"}, {"role": "assistant", "content": "8"},
+              {"role": "user", "content": "lower"}, {"role": "assistant", "content": "7"},
+              {"role": "user", "content": "correct"}]
+
+
+def make_guess_number(n: int, seed: int) -> list[dict]:
+    """n games: a range of ten from lo (1 to 90) and a secret in it, in extra_info for the environment; the rows'
+    data_source "environment" (its rewards are the score) and ground truth the secret."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        lo = rng.randint(1, 90)
+        secret = rng.randint(lo, lo + 9)
+        prompt = [{"role": "system", "content": GUESS_SYSTEM}, *GUESS_SHOT,
+                  {"role": "user", "content": f"A number from {lo} to {lo + 9}."}]
+        rows.append({"prompt": prompt, "ground_truth": str(secret), "data_source": "environment",
+                     "extra_info": {"index": i, "lo": lo, "hi": lo + 9, "secret": secret}})
+    return rows

@@ -33,6 +33,13 @@ class Counts:
     sequences: float
 
 
+def mini_batch_counts(mask, accelerator) -> Counts:
+    """The tokens (at least 1) and sequences of a mini-batch, averaged over processes: what its loss is normalised by.
+    The mean, not the sum, because DDP and FSDP2 average the processes' gradients (departure 4)."""
+    counts = torch.tensor([max(float(mask.sum()), 1.0), float(len(mask))], device=accelerator.device)
+    return Counts(*(accelerator.reduce(counts, "sum") / accelerator.num_processes).tolist())
+
+
 def vanilla(logprobs, old_logprobs, advantages, response_mask, clip: Clip):
     """PPO's clipped surrogate, per token (Schulman et al., 2017), with dual clip (Ye et al., 2020):
 

@@ -97,7 +97,7 @@ from infra.runs import check_learning, Interrupted, save_checkpoint, start_run, 
 from infra.train_state import keep_best, resume, save_final, TrainState
 from infra.trunk import plan_trunk
 from kl import KLController, kl_estimate, kl_penalty_rewards
-from losses import agg_loss, Clip, Counts, POLICY_LOSSES, rejection_mask, rollout_is_weights
+from losses import agg_loss, Clip, Counts, mini_batch_counts, POLICY_LOSSES, rejection_mask, rollout_is_weights
 from data import load_prompts
 from rewards import check_data_sources, rule_needing_truth
 from rollout import check_rollout, make_rollout, rollout_is_level
@@ -208,13 +208,6 @@ class Update:
     max_grad_norm: float
 
 
-def mini_batch_counts(mask, accelerator) -> Counts:
-    """The tokens (at least 1) and sequences of a mini-batch, averaged over processes: what its loss is normalised by.
-    The mean, not the sum, because DDP and FSDP2 average the processes' gradients (departure 4)."""
-    counts = torch.tensor([max(float(mask.sum()), 1.0), float(len(mask))], device=accelerator.device)
-    return Counts(*(accelerator.reduce(counts, "sum") / accelerator.num_processes).tolist())
-
-
 def ref_logprobs(ref, policy, micro, fwd: Forward):
     """log π_ref(y_t | prefix), (B, Tr): the reference model's, or with LoRA the actor's with its adapter disabled."""
     if ref is not None:
@@ -303,11 +296,12 @@ def policy_loss_mask(batch: dict, truncated, cfg) -> tuple[torch.Tensor, dict]:
 
 @dataclass(frozen=True)
 class Inputs:
-    """What check_inputs reads: the policy's tokenizer, the prompts, and the batch sizes they were checked for."""
+    """What check_inputs reads: tokenizer, prompts, the sizes they were checked for, multi-turn's agent.TurnSettings."""
     tokenizer: object
     train_rows: list
     val_rows: list
     sizes: Sizes
+    turns: object
 
 
 def check_inputs(cfg, num_processes: int, print0=print) -> Inputs:
@@ -327,16 +321,20 @@ def check_inputs(cfg, num_processes: int, print0=print) -> Inputs:
                                         rule_of=functools.partial(rule_needing_truth, cfg_reward=cfg.reward))
     sizes = check_sizes(cfg, num_processes, len(train_rows))
     check_data_sources({r["data_source"] for r in train_rows + val_rows}, cfg.reward)  # each has a rule
-    check_best_metric(cfg, {r["data_source"] for r in val_rows}, agent.agent_metrics([]))  # validation logs it
-    agent.check_multi_turn(cfg.rollout, tokenizer)  # multi-turn: the tools import, the template writes their answers
-    return Inputs(tokenizer, train_rows, val_rows, sizes)
+    check_best_metric(cfg, {r["data_source"] for r in val_rows},  # validation logs it
+                      agent.agent_metrics([], hosted=bool(cfg.rollout.multi_turn.env)))
+    turns = agent.check_multi_turn(cfg, tokenizer)  # multi-turn: the environment or tools start, the template fits
+    return Inputs(tokenizer, train_rows, val_rows, sizes, turns)
 
 
 def check_only(cfg, num_processes: int) -> str:
     """`ppo.py --check`: check_inputs, then one line of what a run would do; no model is loaded."""
     print0 = print if os.environ.get("RANK", "0") == "0" else (lambda *args, **kwargs: None)
     cfg = resolve_dtype(cfg, torch.device("cpu" if use_cpu() else "cuda"), print0)
-    s = check_inputs(cfg, num_processes, print0).sizes
+    inputs = check_inputs(cfg, num_processes, print0)
+    if inputs.turns is not None:  # an environment's worker process ends with the check
+        inputs.turns.environment.close()
+    s = inputs.sizes
     return (f"{num_processes} process(es), each a step: {s.prompts} prompts × {cfg.rollout.n} = {s.batch} sequences, "
             f"{s.num_mini} mini-batch(es) of {s.mini}, micro-batches of {s.actor_micro} (actor) and {s.critic_micro} "
             f"(critic); the inputs are there; no model loaded")
@@ -380,7 +378,7 @@ def main(cfg: config.Config):
                     **({"critic": (critic, critic_opt)} if critic is not None else {})}
     logger = resume(accelerator, cfg, resume_from, checkpointed, state)
     rollout = make_rollout(cfg, policy, tokenizer, accelerator, dtype, synced_forwards=fsdp is not None)
-    rollout = agent.with_tools(rollout, cfg.rollout, tokenizer)  # with rollout.multi_turn: tool calls between turns
+    rollout = agent.with_tools(rollout, inputs.turns, tokenizer)  # rollout.multi_turn: an environment between turns
     sample = Sampler(rollout, tokenizer, scorer, accelerator, cfg, sizes.prompts)  # steps 1–3
     reduce_sum = functools.partial(sum_over_processes, accelerator)
 

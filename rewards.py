@@ -36,6 +36,12 @@ from reward_rules import verl_prime_math, verl_rules
 from reward_rules.library import arithmetic_score, boxed_score, gsm8k_score
 
 # ---- dispatch by data_source, as verl's default_compute_score
+def environment_score(solution_str: str, ground_truth: str) -> float:
+    """data_source "environment": rows an environment scores alone with its turns' rewards (rollout.multi_turn.env,
+    environments.py), which the Sampler adds; the rule adds 0."""
+    return 0.0
+
+
 NUMINA = ["numina_aops_forum", "numina_synthetic_math", "numina_amc_aime", "numina_synthetic_amc", "numina_cn_k12",
           "numina_olympiads"]
 BUILTIN_SCORES = {
@@ -45,6 +51,7 @@ BUILTIN_SCORES = {
     **dict.fromkeys(["math_dapo", "math", "math_dapo_reasoning"], verl_rules.dapo),  # and every aime*
     **dict.fromkeys(NUMINA, verl_prime_math.prime_math),
     "gsm8k": gsm8k_score, "boxed": boxed_score, "arithmetic": arithmetic_score,  # this library's own
+    "environment": environment_score,
 }
 KNOWN = ", ".join([s for s in BUILTIN_SCORES if s not in NUMINA] + ["aime*", "numina_*"])  # for error messages
 NOT_BUILT_IN = {  # why a source has no rule here: verl needs more than a rule for these

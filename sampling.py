@@ -145,8 +145,8 @@ class Sampler:
         """Step 2, and nothing that talks to the other processes: with rollout.steps_ahead it runs in the generation
         thread, beside the loop's own collectives."""
         t0 = time.perf_counter()
-        ro = self.rollout.generate([row["prompt_ids"] for row in prompt_rows], self.cfg.rollout.n,
-                                   self.cfg.rollout.temperature, seed=seed)
+        ro = agent.generate_for(self.rollout, prompt_rows, self.cfg.rollout.n, self.cfg.rollout.temperature,
+                                seed=seed)  # the rows: an environment starts from them
         return Generated(prompt_rows, ro, self.version, time.perf_counter() - t0, data_position)
 
     def score(self, got: Generated, times: dict) -> tuple[Samples, dict]:

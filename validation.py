@@ -13,7 +13,7 @@ from collections import Counter
 
 import torch
 
-from agent import with_conversations
+from agent import generate_for, with_conversations
 from infra.config import ConfigError
 from infra.metrics import reduce_metrics, sum_over_processes
 from rewards import decode_responses, one_rule, reward_sources, rule_for, score_on_every_process, score_responses
@@ -24,8 +24,7 @@ def validate(cfg, rollout, tokenizer, scorer, val_rows, accelerator) -> dict:
     """rollout.val_n responses per validation prompt at rollout.val_temperature (one, greedy, by default), scored:
     validation_metrics. Every validation samples with the run's seed, so that they differ by the policy."""
     k, mine = cfg.rollout.val_n, val_rows[accelerator.process_index::accelerator.num_processes]
-    ro = rollout.generate([r["prompt_ids"] for r in mine], n=k, temperature=cfg.rollout.val_temperature,
-                          seed=cfg.trainer.seed)
+    ro = generate_for(rollout, mine, k, cfg.rollout.val_temperature, seed=cfg.trainer.seed)  # rows: for an env
     texts = decode_responses(tokenizer, ro)
     sources = sorted({r["data_source"] for r in val_rows})
     rows = with_conversations([r for r in mine for _ in range(k)], ro)  # multi-turn: the reward reads them
@@ -40,10 +39,12 @@ def validation_metrics(scorer, rows: list[dict], texts: list[str], sources: list
     being one prompt's k samples: val/score/mean and val/<data_source>/score, the mean score (mean@k); with k > 1
     and a score that is one rule's (Scorer.is_rule), pass@j and maj@k (pass_and_majority); with any other score,
     val/rule_score/mean: the task's rule on the same answers, over the rows with a ground truth and a rule. ro: the
-    rollout.Rollout of the texts, which a scorer may read (a reward server's query: the tokens), or None."""
+    rollout.Rollout of the texts, which a scorer may read (a reward server's query: the tokens), or None; its
+    token_rewards (an environment's turns) count in the score, as in training."""
     got = score_on_every_process(functools.partial(scorer, rows, texts, ro), accelerator)
-    sums = torch.zeros(len(sources), 2)  # (sum of scores, count) per data_source
-    for row, score in zip(rows, got.scores.tolist()):
+    scores = got.scores if getattr(ro, "token_rewards", None) is None else got.scores + ro.token_rewards.sum(1)
+    sums = torch.zeros(len(sources), 2)  # (sum of scores, count) per data_source; an environment's turns added
+    for row, score in zip(rows, scores.tolist()):
         sums[sources.index(row["data_source"])] += torch.tensor([score, 1.0])
     sums = sum_over_processes(accelerator, sums)
     metrics = {"val/score/mean": (sums[:, 0].sum() / sums[:, 1].sum()).item()}

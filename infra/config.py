@@ -79,17 +79,27 @@ class DataConfig:
 @dataclass
 class MultiTurnConfig:
     enable: bool = False
-    """multi-turn rollouts (agent.py): a response is up to max_turns assistant turns, with the answers of the tools
-    the model called between them (response_mask 0 on those tokens)"""
+    """multi-turn rollouts (agent.py): a response is up to max_turns assistant turns, with the messages of an
+    environment (env) or the answers of the tools the model called (tools) between them (response_mask 0 there)"""
     max_turns: int = 2
-    """most assistant turns per response; a turn ends at EOS, and the calls written in it are run before the next"""
+    """most assistant turns per response; a turn ends at EOS, and the environment answers it before the next"""
+    env: str = ""
+    """an environment, path/to/file.py:Class (environments.py has the contract: reset(row) gives the first messages,
+    step(text) the next ones, a reward at the turn's last token and done); one instance per sample, each in a
+    process of its own. Empty: the built-in environment that runs `tools`"""
+    env_timeout_s: float = 30.0
+    """seconds an environment's reset or step may take; a slower one, or one that raises or ends its process, ends
+    its sample's episode there (counted in agent/env_errors_share), never the run"""
     tools: list[str] = field(default_factory=list)
     """the tools, each path/to/file.py:function; the model calls a tool by the function's name"""
     format: str = "hermes"
     """how a call is written, a name in agent.PARSERS: hermes (<tool_call>{"name": …, "arguments": {…}}</tool_call>,
     as Qwen2.5 and verl) or tag (<name>text</name>: the function gets the text)"""
     tool_timeout_s: float = 5.0
-    """seconds a tool call may take; a slower one is answered with an error (its thread is left behind)"""
+    """seconds a tool call may take; each call runs in a process of its own, killed after this (whatever the call is
+    doing), and is answered with an error"""
+    max_calls_per_turn: int = 8
+    """tool calls run per turn; the calls after these are answered with an error, not run"""
     max_tool_response_length: int = 256
     """characters of a tool's answer the model sees (verl's key); the rest is cut and marked ...(truncated)"""
 

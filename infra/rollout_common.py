@@ -19,8 +19,10 @@ class Rollout:
     #                                                response_mask (one turn)
     conversations: Optional[list[dict]] = None  # per row: turns, tool_calls, tool_results, num_turns (agent.py)
     metrics: dict = field(default_factory=dict)  # agent/* (agent.py)
-    token_rewards: Optional[torch.Tensor] = None  # (B·n, Tr) rewards given during the rollout (an environment's, per
-    #                                               turn at its last token), which the Sampler adds to the scorers'
+    token_rewards: Optional[torch.Tensor] = None  # (B·n, Tr) an environment's reward of each turn at its last token
+    #                                               (agent.py), added to the scorers' (sampling.py); None: none
+    prompts: Optional[list[list[int]]] = None  # (B·n,) the prompt ids each row began from, where an environment
+    #                                            wrote its own first messages (agent.py); None: the rows' own
 
 
 def right_pad(seqs: list[list], pad, dtype=torch.long) -> tuple[torch.Tensor, torch.Tensor]:

@@ -102,13 +102,17 @@ def test_tag_calls_are_read_in_order_and_unclosed_ones_say_why():
 def test_tools_answer_fail_time_out_and_are_cut(tools_file):
     """A tool's return value as text; a raising tool, a malformed call and a tool slower than the timeout answer
     an error (the slow one without holding up the rest); a long answer is cut and marked."""
-    from agent import load_tools, run_tools, ToolCall
-    tools = load_tools([f"{tools_file}:add", f"{tools_file}:slow", f"{tools_file}:shout"])
-    assert sorted(tools) == ["add", "shout", "slow"]
+    from agent import ToolCall
+    from environments_tools import run_tools, tool_targets
+    from infra.episodes import ObjectHost
+    host = ObjectHost(tool_targets([f"{tools_file}:add", f"{tools_file}:slow", f"{tools_file}:shout"]), 0.5)
     calls = [ToolCall("add", "2+3"), ToolCall("add", "x+1"), ToolCall("slow", ""), ToolCall("?", "{", "bad JSON"),
              ToolCall("shout", {"word": "ab", "times": 40})]
     start = time.monotonic()
-    results = run_tools(calls, tools, timeout=0.5, max_chars=60)
+    try:
+        results = run_tools(calls, host, max_chars=60)
+    finally:
+        host.close()
     assert time.monotonic() - start < 3
     assert [r.ok for r in results] == [True, False, False, False, True]
     assert results[0].text == "5"
@@ -124,9 +128,10 @@ def test_tools_answer_fail_time_out_and_are_cut(tools_file):
     ("add", "rollout.multi_turn.tools: 'add' must be path/to/file.py:function"),
 ])
 def test_a_bad_tool_spec_is_one_sentence_naming_the_key(tools_file, tmp_path, spec, sentence):
-    from agent import load_tools
+    from agent import PARSERS
+    from environments_tools import ToolEnvironment
     with pytest.raises(ConfigError) as e:
-        load_tools([spec.format(tmp=tmp_path, tools=tools_file)])
+        ToolEnvironment([spec.format(tmp=tmp_path, tools=tools_file)], PARSERS["tag"], 1.0, 64, 8)
     assert sentence.format(tmp=tmp_path, tools=tools_file) in str(e.value)
 
 
@@ -169,6 +174,9 @@ class ScriptedBackend:
     def sync_weights(self, model):
         pass
 
+    def close(self):
+        pass
+
 
 def calculator_script(context: str, j: int) -> str:
     """Sample 0 calls <add> and then copies the answer; sample 1 answers at once; sample 2 calls with a space in
@@ -180,11 +188,54 @@ def calculator_script(context: str, j: int) -> str:
         "<|im_end|>")[0]
 
 
-def agent_rollout(tokenizer, tools_file, reply=calculator_script, max_turns=3, max_length=128, reduce_max=None):
-    from agent import AgentRollout, load_tools, PARSERS, TurnSettings
-    settings = TurnSettings(max_turns, max_length, PARSERS["tag"], load_tools([f"{tools_file}:add"]), 1.0, 64)
+def hermes_script(context: str, j: int) -> str:
+    """Sample 0 calls shout in Hermes' format, sample 1 calls add with text it cannot add (the tool raises), sample
+    2 writes a call that is not JSON; after a tool answer, each replies with the answer's first word."""
+    if "<|im_start|>tool" not in context.rsplit("What is ", 1)[1]:
+        return ['<tool_call>{"name": "shout", "arguments": {"word": "hi", "times": 2}}</tool_call>',
+                '<tool_call>{"name": "add", "arguments": {"text": "1+"}}</tool_call>',
+                '<tool_call>{"name": </tool_call>'][j]
+    return context.rsplit("<|im_start|>tool\n", 1)[1].split("<|im_end|>")[0].split()[0]
+
+
+# name → (format, tools, script, max_turns, max_length, questions, n): the scenarios whose outputs agent.py gave at
+# b8b4a16, before environments (tests/agent_before.json; recorded by running these scenarios through that
+# commit's AgentRollout)
+BEFORE_AFTER = {
+    "tag": ("tag", ["add"], "calculator_script", 3, 128, [(3, 4), (12, 30)], 3),
+    "tag_tight": ("tag", ["add"], "calculator_script", 3, 30, [(3, 4)], 3),
+    "hermes": ("hermes", ["add", "shout"], "hermes_script", 2, 400, [(3, 4)], 3),
+}
+
+
+def agent_rollout(tokenizer, tools_file, reply=calculator_script, max_turns=3, max_length=128, reduce_max=None,
+                  fmt="tag", tools=("add",)):
+    from agent import AgentRollout, PARSERS, TurnSettings
+    from environments_tools import ToolEnvironment
+    environment = ToolEnvironment([f"{tools_file}:{t}" for t in tools], PARSERS[fmt], 1.0, 64, 8)
+    settings = TurnSettings(max_turns, max_length, 512, environment)
     backend = ScriptedBackend(tokenizer, reply)
     return AgentRollout(backend, tokenizer, settings, **({"reduce_max": reduce_max} if reduce_max else {})), backend
+
+
+@pytest.mark.parametrize("name", sorted(BEFORE_AFTER))
+def test_the_tool_environment_gives_what_agent_py_gave_before_environments(tokenizer, tools_file, name):
+    """The built-in tool environment (environments.ToolEnvironment, each call in a process of its own) gives, token
+    for token, the rows, masks, sampler logprobs, conversations and agent/* metrics that agent.py's in-process tools
+    gave at b8b4a16 on the same scripted scenarios (tests/agent_before.json)."""
+    import json
+    fmt, tools, script, max_turns, max_length, questions, n = BEFORE_AFTER[name]
+    with open(os.path.join(REPO, "tests", "agent_before.json")) as f:
+        before = json.load(f)[name]
+    ro_, _ = agent_rollout(tokenizer, tools_file, globals()[script], max_turns, max_length, fmt=fmt, tools=tools)
+    try:
+        ro = ro_.generate([chat(tokenizer, question(a, b)) for a, b in questions], n=n, temperature=1.0, seed=0)
+    finally:
+        ro_.s.environment.close()
+    assert ro.responses.tolist() == before["responses"] and ro.response_mask.tolist() == before["response_mask"]
+    assert ro.attention_mask.tolist() == before["attention_mask"] and ro.logprobs.tolist() == before["logprobs"]
+    assert ro.conversations == before["conversations"] and ro.metrics == before["metrics"]
+    assert ro.token_rewards is None and ro.prompts is None  # no rewards, the rows' own prompts
 
 
 def test_each_row_is_the_conversation_as_the_chat_template_writes_it(tokenizer, tools_file):
@@ -403,11 +454,11 @@ def caller(caller_dir):
 def test_hf_rollout_calls_the_tool_and_answers_with_its_result(caller, caller_dir, tools_file):
     """Through HF generate, greedy, the taught model calls <add> on every sum, reads the tool's answer and replies
     with it; every sample is a well-formed call."""
-    from agent import with_tools
+    from agent import check_multi_turn, with_tools
     from rollout import make_rollout
     model, tokenizer = caller
     cfg = rollout_config(caller_dir, tools_file, "hf")
-    ro_ = with_tools(make_rollout(cfg, model, tokenizer, OneProcess()), cfg.rollout, tokenizer)
+    ro_ = with_tools(make_rollout(cfg, model, tokenizer, OneProcess()), check_multi_turn(cfg, tokenizer), tokenizer)
     ro = ro_.generate([chat(tokenizer, question(a, b)) for a, b in SUMS], n=1, temperature=0.0)
     assert [c["turns"][-1]["content"] for c in ro.conversations] == [str(a + b) for a, b in SUMS]
     assert ro.metrics["agent/well_formed_share"] == 1.0 and ro.logprobs is None
@@ -421,29 +472,34 @@ def test_vllm_turns_match_hf_and_its_logprobs_match_the_trainers(caller, caller_
     equal HF's token for token, masks included; sampled at T=1 from a seed, the sampler's logprobs equal the
     trainer's forward over the gapped rows on every model token (mean |Δ| < 1e-4), and are 0 on tool tokens."""
     from transformers import AutoModelForCausalLM
-    from agent import with_tools
+    from agent import check_multi_turn, with_tools
     from rollout import make_rollout
     model, tokenizer = caller
     cfg = rollout_config(tiny_model_dir, tools_file, "vllm")  # the engine starts from other weights
     random_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     engine = make_rollout(cfg, random_model, tokenizer, OneProcess())
-    vllm_ro = with_tools(engine, cfg.rollout, tokenizer)
-    hf_ro = with_tools(make_rollout(rollout_config(caller_dir, tools_file, "hf"), model, tokenizer, OneProcess()),
-                       cfg.rollout, tokenizer)
-    engine.sync_weights(model)
-    prompts = [chat(tokenizer, question(a, b)) for a, b in SUMS]
-    v, h = vllm_ro.generate(prompts, 1, 0.0), hf_ro.generate(prompts, 1, 0.0)
-    assert torch.equal(v.responses, h.responses) and torch.equal(v.response_mask, h.response_mask)
-    assert v.conversations == h.conversations and v.metrics["agent/tool_calls_mean"] == 1.0
+    vllm_ro = with_tools(engine, check_multi_turn(cfg, tokenizer), tokenizer)
+    hf_cfg = rollout_config(caller_dir, tools_file, "hf")
+    hf_ro = with_tools(make_rollout(hf_cfg, model, tokenizer, OneProcess()), check_multi_turn(hf_cfg, tokenizer),
+                       tokenizer)
+    try:
+        engine.sync_weights(model)
+        prompts = [chat(tokenizer, question(a, b)) for a, b in SUMS]
+        v, h = vllm_ro.generate(prompts, 1, 0.0), hf_ro.generate(prompts, 1, 0.0)
+        assert torch.equal(v.responses, h.responses) and torch.equal(v.response_mask, h.response_mask)
+        assert v.conversations == h.conversations and v.metrics["agent/tool_calls_mean"] == 1.0
 
-    n = 4
-    sampled = vllm_ro.generate(prompts, n, 1.0, seed=3)
-    mask, gaps = sampled.response_mask.bool(), sampled.attention_mask.bool() & ~sampled.response_mask.bool()
-    assert gaps.any(1).float().mean() > 0.5, "expected most samples to call the tool"
-    diff = (sampled.logprobs - trainer_logprobs(model, prompts, sampled, n)).abs()[mask]
-    print(f"\nvLLM fp32 vs trainer over gapped rows: |Δlogprob| mean {diff.mean():.2e} max {diff.max():.2e}")
-    assert diff.mean() < 1e-4 and diff.max() < 1e-3
-    assert (sampled.logprobs[gaps] == 0).all()
+        n = 4
+        sampled = vllm_ro.generate(prompts, n, 1.0, seed=3)
+        mask, gaps = sampled.response_mask.bool(), sampled.attention_mask.bool() & ~sampled.response_mask.bool()
+        assert gaps.any(1).float().mean() > 0.5, "expected most samples to call the tool"
+        diff = (sampled.logprobs - trainer_logprobs(model, prompts, sampled, n)).abs()[mask]
+        print(f"\nvLLM fp32 vs trainer over gapped rows: |Δlogprob| mean {diff.mean():.2e} max {diff.max():.2e}")
+        assert diff.mean() < 1e-4 and diff.max() < 1e-3
+        assert (sampled.logprobs[gaps] == 0).all()
+    finally:  # the engine's process groups and the tool workers end here, not at a later test's expense
+        vllm_ro.close()
+        hf_ro.close()
 
 
 # ---------------------------------------------------------------------------------------
@@ -508,6 +564,48 @@ def test_fsdp2_two_processes_with_lopsided_turns_do_not_hang(agent_workdir, call
                      "trainer.val_before_train=false")])
     train = [m for m in read_metrics(out) if "score/mean" in m]
     assert len(train) == 2 and all(m["agent/tool_calls_mean"] == pytest.approx(0.5) for m in train)
+
+
+HELLO_ENV = '''
+from environments import Step
+
+class Hello:
+    """Asks for hello extra_info["turns"] times, rewarding each turn that says it."""
+    def reset(self, row):
+        self.left = row["extra_info"]["turns"]
+    def step(self, text):
+        self.left -= 1
+        return Step([{"role": "user", "content": "Say hello."}], reward=float(text.strip() == "hello"),
+                    done=self.left == 0)
+'''
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="gloo on CPU, as tests/test_fsdp.py")
+def test_fsdp2_two_processes_stay_in_step_with_episodes_of_different_lengths(agent_workdir, caller_dir, tmp_path):
+    """ppo.py with rollout.multi_turn.env on 2 FSDP2 processes (HF generate, a collective): process 0's games last
+    3 turns and process 1's 1, so process 1 generates stand-ins while process 0 plays on. The run finishes; the
+    turns are the environments' (mean 2, in training and validation), and the reward is the environment's return,
+    its turns' rewards at their tokens (the rows' rule adds 0); validation's score counts them too."""
+    import data
+    (tmp_path / "hello.py").write_text(HELLO_ENV)
+    hello = [{"prompt": [{"role": "user", "content": "Say hello."}], "ground_truth": "hello",
+              "data_source": "environment", "extra_info": {"turns": turns}} for turns in (3, 3, 1, 1)]
+    data.write_parquet(hello * 4, str(tmp_path / "hello.parquet"))
+    out = tmp_path / "out"
+    run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/fsdp2.yaml",
+         "--num_processes", "2", "--main_process_port", str(free_port()),
+         *agent_args(agent_workdir, caller_dir, "", out, f"data.train_files={tmp_path}/hello.parquet",
+                     f"data.val_files={tmp_path}/hello.parquet", "reward.function=", "rollout.multi_turn.tools=[]",
+                     f"rollout.multi_turn.env={tmp_path}/hello.py:Hello", "rollout.multi_turn.max_turns=4",
+                     "rollout.max_response_length=80",
+                     "data.shuffle=false", "rollout.temperature=0", "trainer.sample_freq=0")])
+    train = [m for m in read_metrics(out) if "score/mean" in m]
+    assert len(train) == 2 and all(m["agent/turns_mean"] == pytest.approx(2.0) for m in train)
+    assert all(m["score/mean"] == 0 for m in train)  # the rule's: the environment's rewards are on the tokens
+    assert all(m["reward/mean"] == pytest.approx(m["agent/env_return_mean"]) for m in train)  # no KL in the reward
+    assert all(m["agent/env_return_mean"] > 0 for m in train)  # some hellos: the equality is not 0 = 0
+    assert train[-1]["val/agent/turns_mean"] == pytest.approx(2.0)
+    assert train[-1]["val/score/mean"] == pytest.approx(train[-1]["val/agent/env_return_mean"])
 
 
 @pytest.fixture

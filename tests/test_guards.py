@@ -298,12 +298,25 @@ def test_a_malformed_tool_call_is_an_error_for_its_sample(body, error):
     """A name that is not a string (a list used to raise `unhashable type` out of the rollout) and JSON nested past
     Python's parser (RecursionError, not a ValueError) are calls with an error, answered as such; the tool never
     runs."""
-    from agent import parse_hermes, run_tools
-    ran = []
+    from agent import parse_hermes
+    from environments_tools import run_tools
+
+    class NoHost:  # infra/episodes.ObjectHost, which runs the tools: never asked to
+        timeout_s = 1.0
+
+        def open(self, name, count):
+            pytest.fail(f"a process was opened for {name}")
+
+        def call_all(self, calls):
+            assert calls == [], calls
+            return []
+
+        def end(self, keys):
+            assert keys == []
     [call] = parse_hermes(f"<tool_call>{body}</tool_call>", {"calc"})
     assert call.name == "?" and error in call.error
-    [result] = run_tools([call], {"calc": ran.append}, timeout=1.0, max_chars=500)
-    assert not result.ok and result.text.startswith("error: the call is not") and ran == []
+    [result] = run_tools([call], NoHost(), max_chars=500)
+    assert not result.ok and result.text.startswith("error: the call is not")
 
 
 def test_lone_surrogates_in_a_tool_call_become_replacement_characters():

@@ -117,7 +117,8 @@ def hello_model(random_model, tokenizer, prompts):
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir, random_model, tokenizer):
-    """engine(dtype) → a VLLMRollout on the tiny model, started once per dtype for this module."""
+    """engine(dtype) → a VLLMRollout on the tiny model, started once per dtype for this module, and shut down after it
+    (an engine left open keeps vLLM's process groups, which a later engine of this process would find stale)."""
     engines = {}
 
     def get(dtype="fp32"):
@@ -125,7 +126,9 @@ def engine(tiny_model_dir, random_model, tokenizer):
             engines[dtype] = make_rollout(make_config(tiny_model_dir, dtype), random_model, tokenizer,
                                           FakeAccelerator())
         return engines[dtype]
-    return get
+    yield get
+    for rollout in engines.values():
+        rollout.close()
 
 
 # ---- weight sync

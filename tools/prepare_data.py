@@ -3,6 +3,7 @@
     python tools/prepare_data.py --task arithmetic --output data/arithmetic                 # the PPO demo
     python tools/prepare_data.py --task arithmetic-preferences --output data/preferences    # the reward-model demo
     python tools/prepare_data.py --task arithmetic-tool --output data/arithmetic_tool       # the agent demo (agent.py)
+    python tools/prepare_data.py --task guess-number --output data/guess_number             # the environment demo
     python tools/prepare_data.py --input gsm8k_train.jsonl --output data/gsm8k --val-fraction 0.05 --seed 0
 
 `--output` is always a folder: train.parquet and val.parquet are written inside it.
@@ -21,7 +22,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root, for data.py
 
 from data import (check_prompt, DataError, ground_truth_of, make_arithmetic, make_arithmetic_preferences,
-                  make_arithmetic_tool, split_rows, write_parquet)
+                  make_arithmetic_tool, make_guess_number, split_rows, write_parquet)
 
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'  # verl's wording
 HH_ASSISTANT = "\n\nAssistant:"
@@ -115,8 +116,8 @@ def write_split(train: list[dict], val: list[dict], folder: str) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", help="jsonl file to convert (kind detected from its rows)")
-    parser.add_argument("--task", choices=["arithmetic", "arithmetic-preferences", "arithmetic-tool"],
-                        help="generate the demo data")
+    parser.add_argument("--task", help="generate the demo data",
+                        choices=["arithmetic", "arithmetic-preferences", "arithmetic-tool", "guess-number"])
     parser.add_argument("--output", required=True, help="folder for train.parquet and val.parquet")
     parser.add_argument("--val-fraction", type=float, default=0.05, help="share of --input rows held out as val")
     parser.add_argument("--train-size", type=int, default=2000, help="--task rows in train.parquet")
@@ -130,7 +131,7 @@ def main(argv=None) -> None:
     try:
         if args.task:
             make = {"arithmetic": make_arithmetic, "arithmetic-preferences": make_arithmetic_preferences,
-                    "arithmetic-tool": make_arithmetic_tool}[args.task]
+                    "arithmetic-tool": make_arithmetic_tool, "guess-number": make_guess_number}[args.task]
             rows = make(args.train_size + args.val_size, args.seed)
             write_split(rows[:args.train_size], rows[args.train_size:], args.output)
         elif not os.path.isfile(args.input):

@@ -1,0 +1,154 @@
+"""Environments whose turns are tool calls: the built-in one (rollout.multi_turn.tools, plain functions) and TRL's
+environment_factory classes (rollout.multi_turn.env=path.py:Class, whose public methods are the tools). Both follow
+environments.py's contract, batched as agent.AgentRollout drives it; the calls are read by the format's parser
+(agent.PARSERS) and every call runs in a process (infra/episodes.py), killed after its timeout.
+"""
+import os
+from dataclasses import dataclass, replace
+
+from environments import as_messages, HostedEnvironment, Reset, Step
+from infra.config import ConfigError
+from infra.episodes import ObjectHost
+from infra.worker import CallFailed, WorkerStartError
+
+
+def tool_targets(specs: list[str]) -> dict[str, tuple[str, str]]:
+    """{function name: (file, function name)} for each `path/to/file.py:function` of rollout.multi_turn.tools; a
+    ConfigError naming the key otherwise."""
+    targets = {}
+    for spec in specs:
+        path, _, name = spec.rpartition(":")
+        if not path or not name:
+            raise ConfigError(f"rollout.multi_turn.tools: {spec!r} must be path/to/file.py:function")
+        if not os.path.isfile(path):
+            raise ConfigError(f"rollout.multi_turn.tools: file {path} does not exist (in {spec!r})")
+        targets[name] = (path, name)
+    return targets
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    text: str  # what the model reads
+    ok: bool  # False: the call was malformed, raised, timed out or ended its process (the text says which)
+
+
+def run_tools(calls: list, host: ObjectHost, max_chars: int, owners: list = None) -> list[ToolResult]:
+    """Each call's answer: str(tool(**arguments)) (hermes) or str(tool(text)) (tag), cut to max_chars. All calls run
+    at once, each in a process of its own (infra/episodes.py) killed after rollout.multi_turn.tool_timeout_s: a call
+    that raises, hangs, or ends its process answers an error, and what it started is ended with the run. owners:
+    for each call, the key of the object whose method it calls (TRL's environments), instead of a new process."""
+    runnable = [i for i, call in enumerate(calls) if call.error is None]
+    keys = [owners[i] for i in runnable] if owners else [key for i in runnable for key in host.open(calls[i].name, 1)]
+    outcomes = host.call_all([(key, None if owners is None else calls[i].name,
+                               () if isinstance(calls[i].arguments, dict) else (calls[i].arguments,),
+                               calls[i].arguments if isinstance(calls[i].arguments, dict) else {})
+                              for key, i in zip(keys, runnable)])
+    if owners is None:
+        host.end(keys)
+    answers = [ToolResult(f"error: {call.error}", False) for call in calls]
+    for i, outcome in zip(runnable, outcomes):
+        timed_out = isinstance(outcome, CallFailed) and str(outcome).startswith("TimeoutError")
+        answers[i] = (ToolResult(f"error: the tool took longer than {host.timeout_s:g} s", False) if timed_out else
+                      ToolResult(f"error: {outcome}", False) if isinstance(outcome, CallFailed) else
+                      ToolResult(str(outcome), True))
+    return [a if len(a.text) <= max_chars else ToolResult(a.text[:max_chars] + "...(truncated)", a.ok)
+            for a in answers]
+
+
+class ToolEnvironment:
+    """The built-in environment (the contract above, batched as HostedEnvironment): no state and no reward. A turn's
+    tool calls are answered by tool messages, and a turn that writes none ends the episode; at most max_calls of a
+    turn run, the rest are answered with an error (issue 34). A final turn's calls are counted but not run."""
+    hosted = False  # the library's own code: it runs here, its tools in their processes
+    counts_tools = True  # its infos hold the calls: agent/* metrics and the record's tool_calls, tool_results
+
+    def __init__(self, specs: list[str], parse, timeout_s: float, max_chars: int, max_calls: int):
+        self.targets, self.timeout_s = tool_targets(specs), timeout_s
+        self.parse, self.names, self.max_chars, self.max_calls = parse, set(self.targets), max_chars, max_calls
+        self.host = self.start()
+
+    def start(self) -> ObjectHost:
+        try:
+            return ObjectHost(self.targets, self.timeout_s)
+        except WorkerStartError as e:
+            raise ConfigError(f"rollout.multi_turn.tools: {e}") from None
+
+    def reset(self, rows: list[dict]) -> list:
+        return [None] * len(rows)  # the rows' own prompts
+
+    def step(self, episodes: list[int], texts: list[str], final: list[bool]) -> list[Step]:
+        if not self.host.alive():  # the worker itself was lost (its calls answered errors): a new one
+            self.host = self.start()
+        parsed = [self.parse(text, self.names) for text in texts]
+        over = f"not run: more than {self.max_calls} calls in one turn (rollout.multi_turn.max_calls_per_turn)"
+        calls = [[c if k < self.max_calls else replace(c, error=over) for k, c in enumerate(turn)]
+                 for turn, last in zip(parsed, final) if not last]
+        owners = [i for i, last in zip(episodes, final) if not last]
+        results = iter(self.run([c for turn in calls for c in turn],
+                                [i for i, turn in zip(owners, calls) for _ in turn]))
+        steps, ran = [], iter(calls)
+        for turn, last in zip(parsed, final):
+            well_formed = sum(c.error is None for c in turn)
+            info = {"well_formed": well_formed, "malformed": len(turn) - well_formed}
+            if last:
+                steps.append(Step([], done=True, info=info))
+                continue
+            answers = [(call, next(results)) for call in next(ran)]
+            steps.append(Step([{"role": "tool", "name": c.name, "content": r.text} for c, r in answers],
+                              done=not answers, info={**info, "tool_calls": [
+                                  {"name": c.name, "arguments": c.arguments, "error": c.error} for c, _ in answers],
+                                  "tool_results": [r.text for _, r in answers],
+                                  "tool_errors": sum(not r.ok and c.error is None for c, r in answers)}))
+        return steps
+
+    def run(self, calls: list, episodes: list[int]) -> list[ToolResult]:
+        """The calls' answers, each call in a new process."""
+        return run_tools(calls, self.host, self.max_chars)
+
+    def end(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.host.close()
+
+
+class MethodEnvironment(ToolEnvironment):
+    """A class of TRL's environment_factory: one instance per episode in its process (HostedEnvironment), reset as
+    TRL calls it, reset(**row) (None, or a str appended to the last user message); its public methods are the tools,
+    called on the episode's own instance, and shown to the chat template as TRL shows them (their JSON schemas, where
+    transformers can read their docstrings); a turn that calls none ends the episode, paid get_reward() if the class
+    has it."""
+    hosted = True
+
+    def __init__(self, env: HostedEnvironment, parse, max_chars: int, max_calls: int):
+        self.env, self.host, self.parse, self.max_chars, self.max_calls = env, env.host, parse, max_chars, max_calls
+        self.names, self.schemas, self.rewarded = set(env.trl["tools"]), env.trl["schemas"], env.trl["get_reward"]
+
+    def start(self) -> ObjectHost:
+        return self.host  # lost mid-batch: its calls fail, and the next reset starts a new one
+
+    def reset(self, rows: list[dict]) -> list:
+        resets = self.env.reset(rows, keywords=True)
+        self.host = self.env.host
+        if not self.schemas:
+            return resets
+        return [r if isinstance(r, Exception) else Reset((r or Reset(as_messages(row["prompt"], "the row's prompt")))
+                                                         .messages, self.schemas) for r, row in zip(resets, rows)]
+
+    def run(self, calls: list, episodes: list[int]) -> list[ToolResult]:
+        return run_tools(calls, self.host, self.max_chars, owners=[self.env.keys[i] for i in episodes])
+
+    def step(self, episodes: list[int], texts: list[str], final: list[bool]) -> list[Step]:
+        steps = super().step(episodes, texts, final)
+        done = [k for k, step in enumerate(steps) if step.done]
+        if self.rewarded and done:
+            rewards = self.host.call_all([(self.env.keys[episodes[k]], "get_reward", ()) for k in done])
+            for k, reward in zip(done, rewards):
+                steps[k] = reward if isinstance(reward, Exception) else replace(steps[k], reward=float(reward))
+        return steps
+
+    def end(self) -> None:
+        self.env.end()
+
+    def close(self) -> None:
+        self.env.close()
