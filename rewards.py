@@ -30,7 +30,7 @@ from infra.models import check_model_path
 from infra.runs import Interrupted
 from infra.worker import CallFailed, FunctionWorker, WorkerStartError
 from judge import check_judge, Judge
-from reward_rules import verl_prime_math, verl_rules
+from reward_rules import reasoning_gym_rules, verl_prime_math, verl_rules
 from reward_rules.library import arithmetic_score, boxed_score, gsm8k_score
 from reward_model import RewardModelScorer
 
@@ -45,7 +45,8 @@ BUILTIN_SCORES = {
     **dict.fromkeys(NUMINA, verl_prime_math.prime_math),
     "gsm8k": gsm8k_score, "boxed": boxed_score, "arithmetic": arithmetic_score,  # this library's own
 }
-KNOWN = ", ".join([s for s in BUILTIN_SCORES if s not in NUMINA] + ["aime*", "numina_*"])  # for error messages
+KNOWN = ", ".join([s for s in BUILTIN_SCORES if s not in NUMINA]
+                  + ["aime*", "numina_*", "reasoning_gym/*"])  # for error messages
 NOT_BUILT_IN = {  # why a source has no rule here: verl needs more than a rule for these
     **dict.fromkeys(["codecontests", "apps", "codeforces", "taco"], "verl runs the code in a sandbox"),
     "hiyouga/geometry3k": "an image task verl scores with mathruler",
@@ -56,9 +57,12 @@ NOT_BUILT_IN = {  # why a source has no rule here: verl needs more than a rule f
 
 
 def rule_for(data_source):
-    """The built-in rule for data_source (aime* by prefix, as verl); None when there is none."""
+    """The built-in rule for data_source (aime* by prefix, as verl; reasoning_gym/<task> by prefix: the task's own
+    score_answer); None when there is none."""
     if data_source in BUILTIN_SCORES:
         return BUILTIN_SCORES[data_source]
+    if isinstance(data_source, str) and data_source.startswith("reasoning_gym/"):
+        return reasoning_gym_rules.reasoning_gym_score
     return verl_rules.dapo if isinstance(data_source, str) and data_source.startswith("aime") else None
 
 
