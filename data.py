@@ -332,11 +332,13 @@ def make_arithmetic_tool(n: int, seed: int) -> list[dict]:
 
 
 # ---- reasoning-gym's procedural tasks (reward_rules/reasoning_gym_rules.py scores them with the task's score_answer)
-def make_reasoning_gym(task: str, n: int, seed: int, config: dict, system_prompt: str = "default") -> list[dict]:
-    """n entries of reasoning-gym's task made with seed and config (its keyword arguments), one RL row each: the
-    system prompt reasoning-gym names system_prompt (its SYSTEM_PROMPTS ask for the answer in <answer> tags) and the
-    question; the ground truth the rule rebuilds the entry and the task from; data_source reasoning_gym/<task>.
-    A task whose entries do not come back from JSON with the same score for their own answer is refused."""
+def make_reasoning_gym(task: str, n: int, seed: int, config: dict, system_prompt: str = "default",
+                       shots: int = 0) -> list[dict]:
+    """n entries of reasoning-gym's task made with seed and config (its keyword arguments), one RL row each: one of
+    reasoning-gym's SYSTEM_PROMPTS (they ask for the answer in <answer> tags), `shots` worked examples (the same
+    for every row: entries of seed + 1, answered "<answer>…</answer>"), the question; the ground truth the rule
+    rebuilds the entry and the task from; data_source reasoning_gym/<task>. A task whose entries do not come back
+    from JSON with the same score for their own answer is refused."""
     import reasoning_gym  # deferred: only this task needs it
     from reasoning_gym.factory import DATASETS
     from reasoning_gym.utils import SYSTEM_PROMPTS
@@ -352,6 +354,7 @@ def make_reasoning_gym(task: str, n: int, seed: int, config: dict, system_prompt
     try:
         dataset = reasoning_gym.create_dataset(task, **config)
         entries = [dataset[i] for i in range(n)]
+        examples = list(reasoning_gym.create_dataset(task, **{**config, "seed": seed + 1, "size": shots}))
     except (TypeError, ValueError, AssertionError) as e:  # an unknown or out-of-range config key
         raise DataError(f"{where} --task-config: reasoning-gym refused the config {config}: {e}") from None
     rows = []
@@ -364,7 +367,9 @@ def make_reasoning_gym(task: str, n: int, seed: int, config: dict, system_prompt
                 entry["answer"], entry):
             raise DataError(f"{where}: entry {i} scores its own answer differently once stored as JSON (its metadata "
                             f"holds tuples or other values JSON changes); this task is not supported")
-        rows.append({"prompt": [{"role": "system", "content": SYSTEM_PROMPTS[system_prompt]},
+        shown = [m for e in examples for m in ({"role": "user", "content": e["question"]},
+                                               {"role": "assistant", "content": f"<answer>{e['answer']}</answer>"})]
+        rows.append({"prompt": [{"role": "system", "content": SYSTEM_PROMPTS[system_prompt]}, *shown,
                                 {"role": "user", "content": entry["question"]}],
                      "ground_truth": truth, "data_source": f"reasoning_gym/{task}", "extra_info": {"index": i}})
     return rows

@@ -23,6 +23,7 @@ from collections import Counter
 import torch
 from accelerate.utils import gather_object
 
+import environments_verifiers
 from agent import with_conversations
 from infra.config import ConfigError
 from infra.metrics import reduce_metrics, sum_over_processes
@@ -46,7 +47,7 @@ BUILTIN_SCORES = {
     "gsm8k": gsm8k_score, "boxed": boxed_score, "arithmetic": arithmetic_score,  # this library's own
 }
 KNOWN = ", ".join([s for s in BUILTIN_SCORES if s not in NUMINA]
-                  + ["aime*", "numina_*", "reasoning_gym/*"])  # for error messages
+                  + ["aime*", "numina_*", "reasoning_gym/*", "verifiers/*"])  # for error messages
 NOT_BUILT_IN = {  # why a source has no rule here: verl needs more than a rule for these
     **dict.fromkeys(["codecontests", "apps", "codeforces", "taco"], "verl runs the code in a sandbox"),
     "hiyouga/geometry3k": "an image task verl scores with mathruler",
@@ -58,11 +59,13 @@ NOT_BUILT_IN = {  # why a source has no rule here: verl needs more than a rule f
 
 def rule_for(data_source):
     """The built-in rule for data_source (aime* by prefix, as verl; reasoning_gym/<task> by prefix: the task's own
-    score_answer); None when there is none."""
+    score_answer; verifiers/<env>: 0, the environment pays its rubric); None when there is none."""
     if data_source in BUILTIN_SCORES:
         return BUILTIN_SCORES[data_source]
     if isinstance(data_source, str) and data_source.startswith("reasoning_gym/"):
         return reasoning_gym_rules.reasoning_gym_score
+    if isinstance(data_source, str) and data_source.startswith("verifiers/"):  # the rubric: the environment's reward
+        return environments_verifiers.rubric_paid_by_environment
     return verl_rules.dapo if isinstance(data_source, str) and data_source.startswith("aime") else None
 
 

@@ -9,6 +9,8 @@
 `--task reasoning_gym:<name>` makes --size entries of one of reasoning-gym's tasks (`--task-config '{"max_animals":
 3}'`: its keyword arguments), the last --val-size of them in val.parquet (less those whose question is also in
 train.parquet); the rule reasoning_gym/* scores them with the task's own score_answer (reward_rules/).
+`--task verifiers:<path/to/env.py or module>` writes a verifiers environment's dataset (train) and eval dataset (val),
+for rollout.multi_turn.env=environments_verifiers.py:<the same> (environments_verifiers.py).
 
 `--output` is always a folder: train.parquet and val.parquet are written inside it.
 `--input` converts a jsonl file; the kind of row is detected from the first line's keys:
@@ -131,7 +133,7 @@ def reasoning_gym_split(task: str, args) -> tuple[list[dict], list[dict]]:
     size = args.size or args.train_size + args.val_size
     if not 0 <= args.val_size < size:
         raise DataError(f"--val-size {args.val_size} must be below --size {size}")
-    rows = make_reasoning_gym(task, size, args.seed, config, args.system_prompt)
+    rows = make_reasoning_gym(task, size, args.seed, config, args.system_prompt, args.shots)
     train, val = rows[:size - args.val_size], rows[size - args.val_size:]
     seen = {row["prompt"][-1]["content"] for row in train}
     kept = [row for row in val if row["prompt"][-1]["content"] not in seen]
@@ -140,10 +142,20 @@ def reasoning_gym_split(task: str, args) -> tuple[list[dict], list[dict]]:
     return train, kept
 
 
+def verifiers_split(target: str) -> tuple[list[dict], list[dict]]:
+    """A verifiers environment's dataset and eval dataset as rows; a DataError when it cannot be loaded."""
+    import environments_verifiers
+    try:
+        return environments_verifiers.dataset_rows(target, "train"), environments_verifiers.dataset_rows(target, "eval")
+    except Exception as e:  # whatever the user's load_environment raises
+        raise DataError(f"--task verifiers:{target}: loading the environment failed: {type(e).__name__}: {e}") from None
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", help="jsonl file to convert (kind detected from its rows)")
-    parser.add_argument("--task", help=f"generate rows: {', '.join(TASKS)}, or reasoning_gym:<name>")
+    parser.add_argument("--task", help=f"generate rows: {', '.join(TASKS)}, reasoning_gym:<name> or "
+                                       f"verifiers:<path/to/env.py or module>")
     parser.add_argument("--output", required=True, help="folder for train.parquet and val.parquet")
     parser.add_argument("--val-fraction", type=float, default=0.05, help="share of --input rows held out as val")
     parser.add_argument("--train-size", type=int, default=2000, help="--task rows in train.parquet")
@@ -153,17 +165,21 @@ def main(argv=None) -> None:
     parser.add_argument("--task-config", default="{}", help="reasoning_gym: the task's keyword arguments, as JSON")
     parser.add_argument("--system-prompt", default="default",
                         help="reasoning_gym: which of reasoning_gym.utils.SYSTEM_PROMPTS the prompts start with")
+    parser.add_argument("--shots", type=int, default=0, help="reasoning_gym: worked examples before each question")
     args = parser.parse_args(argv)
     if (args.input is None) == (args.task is None):
         parser.error("give exactly one of --input or --task")
     if args.output.endswith(".parquet"):
         parser.error(f"--output is a folder (train.parquet and val.parquet go inside), got {args.output}")
     try:
-        if args.task and args.task.startswith("reasoning_gym:"):
+        if args.task and args.task.startswith("verifiers:"):
+            write_split(*verifiers_split(args.task.removeprefix("verifiers:")), args.output)
+        elif args.task and args.task.startswith("reasoning_gym:"):
             write_split(*reasoning_gym_split(args.task.removeprefix("reasoning_gym:"), args), args.output)
         elif args.task:
             if args.task not in TASKS:
-                parser.error(f"--task {args.task}: choose {', '.join(TASKS)}, or reasoning_gym:<name>")
+                parser.error(f"--task {args.task}: choose {', '.join(TASKS)}, reasoning_gym:<name> or "
+                             f"verifiers:<path/to/env.py or module>")
             rows = TASKS[args.task](args.train_size + args.val_size, args.seed)
             write_split(rows[:args.train_size], rows[args.train_size:], args.output)
         elif not os.path.isfile(args.input):
