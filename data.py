@@ -354,7 +354,8 @@ def make_reasoning_gym(task: str, n: int, seed: int, config: dict, system_prompt
     try:
         dataset = reasoning_gym.create_dataset(task, **config)
         entries = [dataset[i] for i in range(n)]
-        examples = list(reasoning_gym.create_dataset(task, **{**config, "seed": seed + 1, "size": shots}))
+        shown = reasoning_gym.create_dataset(task, **{**config, "seed": seed + 1, "size": shots}) if shots else []
+        examples = list(shown)
     except (TypeError, ValueError, AssertionError) as e:  # an unknown or out-of-range config key
         raise DataError(f"{where} --task-config: reasoning-gym refused the config {config}: {e}") from None
     rows = []
@@ -367,9 +368,9 @@ def make_reasoning_gym(task: str, n: int, seed: int, config: dict, system_prompt
                 entry["answer"], entry):
             raise DataError(f"{where}: entry {i} scores its own answer differently once stored as JSON (its metadata "
                             f"holds tuples or other values JSON changes); this task is not supported")
-        shown = [m for e in examples for m in ({"role": "user", "content": e["question"]},
-                                               {"role": "assistant", "content": f"<answer>{e['answer']}</answer>"})]
-        rows.append({"prompt": [{"role": "system", "content": SYSTEM_PROMPTS[system_prompt]}, *shown,
+        worked = [m for e in examples for m in ({"role": "user", "content": e["question"]},
+                                                {"role": "assistant", "content": f"<answer>{e['answer']}</answer>"})]
+        rows.append({"prompt": [{"role": "system", "content": SYSTEM_PROMPTS[system_prompt]}, *worked,
                                 {"role": "user", "content": entry["question"]}],
                      "ground_truth": truth, "data_source": f"reasoning_gym/{task}", "extra_info": {"index": i}})
     return rows

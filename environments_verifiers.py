@@ -14,13 +14,17 @@ each episode runs in a process forked from it.
 An episode is verifiers' own rollout (`MultiTurnEnv.rollout`: setup_state, its stop conditions — is_completed,
 max_turns, final_env_response —, env_response between turns), run in a thread, with a client whose model is this
 library's sampler: each time verifiers asks its client for a response, the messages go out (reset gives the first,
-step the env_response after each turn) and the model's next turn comes back as the response. When verifiers ends
-the rollout, its rubric scores it (`Rubric.score_rollout`: Σ weight·func over the reward functions) and that is the
-reward of the last turn, its metrics the step's info (env/<name>). So the token ids, masks and sampler log-probs are
-this library's rollout's, kept as every multi-turn rollout keeps them (agent.py).
+step the env_response after each turn) and the model's next turn comes back as the response. The token ids, masks
+and sampler log-probs are this library's rollout's, kept as every multi-turn rollout keeps them (agent.py).
 
-An episode that this library ends first (rollout.multi_turn.max_turns, a turn cut at rollout.max_response_length)
-is never scored: set rollout.multi_turn.max_turns at least to the environment's own max_turns.
+The reward is verifiers' rubric (`Rubric.score_rollout`: Σ weight·func over its reward functions), paid turn by turn
+as what each turn added to it: before the model's next turn the rubric scores the conversation so far, and the turn
+is paid the difference from the last score; when verifiers ends the rollout, the last turn is paid the rest of the
+final score, and the functions' values are that step's info (env/<name>). The rewards of an episode so sum to the
+rubric's score of the conversation where it ended, whether verifiers ended it or this library did (at
+rollout.multi_turn.max_turns, or at a turn cut by rollout.max_response_length), and as differences of one potential
+they leave the best policy as it was (Ng et al., 1999, "Policy invariance under reward transformations"). A rubric
+that is slow (a judge) is called once per turn.
 Not here: group rubrics (score_group: this library's episodes are one sample each), and tool calls (ToolEnv reads
 them from the OpenAI server's parsed tool_calls; here a turn is its text).
 
@@ -28,6 +32,7 @@ Pinned at verifiers 0.3.1 (requirements-verifiers.txt): 0.4.0 replaced SingleTur
 its v1 stack (Taskset, Harness), configured and served quite differently.
 """
 import asyncio
+import copy
 import functools
 import importlib
 import importlib.util
@@ -92,12 +97,14 @@ def policy_client_class() -> type:
     from verifiers.legacy.types import Response, ResponseMessage
 
     class PolicyClient(Client):
-        def __init__(self, asks: queue.Queue, answers: queue.Queue):
+        def __init__(self, env, asks: queue.Queue, answers: queue.Queue):
             super().__init__(None)
-            self.asks, self.answers = asks, answers
+            self.env, self.asks, self.answers = env, asks, answers
 
         async def get_response(self, prompt, model, sampling_args, tools=None, **kwargs):
-            self.asks.put(("ask", prompt, tools))
+            state = kwargs["state"]  # verifiers' get_model_response passes it
+            score = await score_so_far(self.env, state, prompt) if state["trajectory"] else 0.0
+            self.asks.put(("ask", prompt, tools, score))
             text = await asyncio.to_thread(self.answers.get)
             return Response(id="policy", created=0, model=model, message=ResponseMessage(
                 role="assistant", content=text, finish_reason="stop", is_truncated=False))
@@ -126,6 +133,17 @@ def policy_client_class() -> type:
     return PolicyClient
 
 
+async def score_so_far(env, state, prompt) -> float:
+    """The rubric's score of the rollout were it to end here, before the model's next turn: `prompt` (the whole
+    conversation so far) less the first prompt is the completion, as verifiers renders it at the end."""
+    if not env.score_rollouts:
+        return 0.0
+    snapshot = copy.copy(state)  # the rubric writes reward and metrics into the state it scores
+    snapshot["completion"] = list(prompt)[len(state["prompt"]):]
+    await env.rubric.score_rollout(snapshot)
+    return float(snapshot["reward"] or 0.0)
+
+
 class VerifiersEpisode:
     """One episode of `env` (a verifiers environment; a subclass per target sets it, see __getattr__ below). Its
     returns are environments.py's plain forms: reset a list of messages (None: the row's own prompt), step gym's
@@ -133,10 +151,10 @@ class VerifiersEpisode:
     env = None
 
     def reset(self, row: dict):
-        self.asks, self.answers = queue.Queue(), queue.Queue()
+        self.asks, self.answers, self.paid = queue.Queue(), queue.Queue(), 0.0
         task = json.loads(row["ground_truth"])  # the verifiers row (dataset_rows)
         threading.Thread(target=asyncio.run, args=(self.run(task),), daemon=True).start()
-        kind, prompt, tools = self.asks.get()
+        kind, prompt, tools, _ = self.asks.get()
         if kind != "ask":  # verifiers ended the episode before asking the model anything
             raise RuntimeError(f"the verifiers environment ended the episode before the first turn: {prompt}")
         if tools:
@@ -145,28 +163,31 @@ class VerifiersEpisode:
         return None if messages == row.get("prompt") else messages  # None: tokenised as data.py did it
 
     def step(self, text: str):
+        """The next messages, and as reward what the turn added to the rubric's score: the rewards of an episode
+        sum to the rubric's score wherever it ends (verifiers' end, or this library's max_turns or token budget)."""
         self.answers.put(text)
-        kind, value, _ = self.asks.get()
+        kind, value, _, score = self.asks.get()
         if kind == "error":
             raise value
-        if kind == "done":  # the rubric's score of the whole rollout, at this, its last turn
+        if kind == "done":
             metrics = {k: float(v) for k, v in (value["metrics"] or {}).items() if isinstance(v, (int, float))}
-            return [], float(value["reward"] or 0.0), True, metrics
+            return [], float(value["reward"] or 0.0) - self.paid, True, metrics
+        reward, self.paid = score - self.paid, score
         messages = as_dicts(value)[self.sent + 1:]  # after the prompt so far and the model's turn: env_response
         self.sent = len(value)
-        return messages, 0.0, False, {}
+        return messages, reward, False, {}
 
     async def run(self, task: dict) -> None:
         """verifiers' rollout, scored as verifiers scores one (Environment._run_rollout_state): its rubric's
         score_rollout, then the rubric's cleanup."""
         try:
             env = self.env
-            state = await env.rollout(task, policy_client_class()(self.asks, self.answers), "policy", {})
+            state = await env.rollout(task, policy_client_class()(env, self.asks, self.answers), "policy", {})
             await (env.rubric.score_rollout if env.score_rollouts else env.rubric.dummy_score_rollout)(state)
             await env.rubric.cleanup(state)
-            self.asks.put(("done", state, None))
+            self.asks.put(("done", state, None, None))
         except Exception as e:
-            self.asks.put(("error", e, None))
+            self.asks.put(("error", e, None, None))
 
 
 def __getattr__(target: str):

@@ -25,9 +25,11 @@ def load_environment():
         return float(completion[-1]["content"].strip() == answer)
     def short(completion, **kwargs):
         return float(len(completion[-1]["content"]) <= 2)
+    def answered(completion, **kwargs):
+        return float(len(completion) == 1)
+    rubric = vf.Rubric(funcs=[exact, short, answered], weights=[1.0, 0.5, 0.25])
     return vf.SingleTurnEnv(dataset=Dataset.from_list(rows), eval_dataset=Dataset.from_list(rows[:4]),
-                            system_prompt="Answer with the number.", rubric=vf.Rubric(funcs=[exact, short],
-                                                                                        weights=[1.0, 0.5]))
+                            system_prompt="Answer with the number.", rubric=rubric)
 '''
 
 MULTI = '''
@@ -101,11 +103,11 @@ def test_the_dataset_becomes_the_prompts(envs):
 
 
 def test_single_turn_reward_is_the_rubric_with_its_weights(envs):
-    """One turn, then done, with reward exact·1.0 + short·0.5 (hand-computed), the functions' values as info; the
-    first messages are the row's own prompt (None)."""
+    """One turn, then done, with reward exact·1.0 + short·0.5 + answered·0.25 (hand-computed), the functions'
+    values as info; the first messages are the row's own prompt (None)."""
     path, folder = envs["single"]
     row = rows_of(folder / "train.parquet")[2]
-    for text, want in [("3", 1.5), (" 3 ", 1.0), ("4", 0.5), ("the answer is 3", 0.0)]:
+    for text, want in [("3", 1.75), (" 3 ", 1.25), ("4", 0.75), ("the answer is 3", 0.25)]:
         first, steps = play(path, row, [text, "never read"])
         assert first is None and len(steps) == 1
         messages, reward, done, info = steps[0]
@@ -115,18 +117,19 @@ def test_single_turn_reward_is_the_rubric_with_its_weights(envs):
 
 def test_multi_turn_state_carries_across_turns(envs):
     """env_response's messages come back after each turn, built from the state the turns so far left (the guesses);
-    the episode ends at the right guess (final_env_response) or at the env's max_turns (verifiers counts the model's
-    turns and answers none after the last), rewarded once at its end by won·1.0 − 0.1·guesses."""
+    each turn is paid what it added to the rubric's score won·1.0 − 0.1·guesses, so the rewards sum to the score
+    where the episode ends: at the right guess (final_env_response), or at the env's max_turns (verifiers counts the
+    model's turns and answers none after the last)."""
     path, folder = envs["multi"]
     row = rows_of(folder / "train.parquet")[1]  # the answer is 4
     first, steps = play(path, row, ["2", "7", "4"])
     assert first is None
-    assert steps[0] == ([{"role": "user", "content": "higher than 2"}], 0.0, False, {})
-    assert steps[1] == ([{"role": "user", "content": "lower than 7"}], 0.0, False, {})
-    assert steps[2][1:3] == (pytest.approx(1.0 - 0.3), True) and steps[2][0] == []
+    assert steps[0][:3] == ([{"role": "user", "content": "higher than 2"}], pytest.approx(-0.1), False)
+    assert steps[1][:3] == ([{"role": "user", "content": "lower than 7"}], pytest.approx(-0.1), False)
+    assert steps[2][:3] == ([], pytest.approx(0.7 - -0.2), True) and steps[2][3]["won"] == 1.0
     _, lost = play(path, row, ["1", "2", "3", "5", "4"])  # max_turns=4: over at the fourth turn, never answered
-    assert len(lost) == 4 and lost[-1][2] and lost[-1][1] == pytest.approx(-0.3)  # three answered guesses
-    assert lost[-1][3]["won"] == 0.0 and lost[-1][3]["num_turns"] == 4.0
+    assert [step[1] for step in lost] == pytest.approx([-0.1, -0.1, -0.1, 0.0]) and lost[-1][2]
+    assert lost[-1][3] == {"won": 0.0, "guesses": 3.0, "num_turns": 4.0}
 
 
 def test_a_failing_environment_fails_its_episode_and_a_bad_file_fails_in_one_sentence(envs, tmp_path):
@@ -161,7 +164,9 @@ def run_ppo(model, folder, target, out, turns):
 @pytest.mark.parametrize("name,turns", [("single", 1), ("multi", 4)])
 def test_verifiers_environments_train_two_steps_through_ppo(envs, tmp_path, name, turns):
     """ppo.py trains 2 steps on each environment's prompts with its rubric as the reward: every step ran every
-    episode without an environment error, and validation (step 2) ran on the eval dataset."""
+    episode without an environment error, the score is the environment's return (the rule of verifiers/* adds 0)
+    and not 0 (each episode the tiny model plays gets answered·0.25, or loses 0.1 a guess), and validation (step 2)
+    ran on the eval dataset."""
     environments = pytest.importorskip("environments", reason="needs issue 33 item 1's environments.py")
     if not hasattr(environments, "HostedEnvironment"):
         pytest.skip("needs rollout.multi_turn.env (issue 33, item 1: environments.HostedEnvironment)")
@@ -171,4 +176,6 @@ def test_verifiers_environments_train_two_steps_through_ppo(envs, tmp_path, name
     lines = read_metrics(tmp_path / "out")
     steps = [line for line in lines if "agent/env_errors_share" in line and line["step"] in (1, 2)]
     assert len(steps) >= 2 and all(line["agent/env_errors_share"] == 0.0 for line in steps), lines
+    for line in steps:
+        assert line["score/mean"] == pytest.approx(line["agent/env_return_mean"]) != 0.0
     assert any("val/agent/env_return_mean" in line for line in lines), lines[-1]

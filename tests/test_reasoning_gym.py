@@ -91,17 +91,19 @@ def test_routing_and_bad_ground_truths():
             rewards.default_compute_score("reasoning_gym/leg_counting", "<answer>1</answer>", bad)
 
 
-def test_prepare_data_writes_the_split_and_refuses_what_it_cannot_score(tmp_path, capsys):
-    """--size rows in all, the last --val-size in val less those whose question train has (leg_counting with one
-    animal of one kind repeats questions); an unknown task, a config the task refuses, and a task whose entries
-    JSON changes each stop with one sentence naming the fix."""
+def test_prepare_data_splits_by_question_and_refuses_what_it_cannot_score(tmp_path, capsys):
+    """--size rows in all, split by question: val gets every row of the questions drawn for it (at least --val-size
+    rows) and train the rest, so no val question is in train even where the config repeats questions (leg_counting
+    with one animal of one kind, at most 2: a few dozen questions); an unknown task, a config the task refuses, and a
+    task whose entries JSON changes each stop with one sentence naming the fix."""
     out = tmp_path / "lc"
     prepare_data.main(["--task", "reasoning_gym:leg_counting", "--size", "40", "--val-size", "10", "--seed", "1",
                        "--task-config", '{"min_animals": 1, "max_animals": 1, "max_instances": 2}',
                        "--output", str(out)])
     train, val = (data.read_parquet(str(out / f"{name}.parquet"), ["prompt"]).to_pylist() for name in ("train", "val"))
-    assert len(train) == 30 and 0 < len(val) < 10 and "dropped" in capsys.readouterr().out
-    assert not {r["prompt"][-1]["content"] for r in val} & {r["prompt"][-1]["content"] for r in train}
+    questions = [{r["prompt"][-1]["content"] for r in rows} for rows in (train, val)]
+    assert len(train) + len(val) == 40 and len(val) >= 10 and not questions[0] & questions[1]
+    assert len(questions[0]) + len(questions[1]) < 40 and "held out for val" in capsys.readouterr().out
     assert {r["data_source"] for r in train + val} == {"reasoning_gym/leg_counting"}
     for args, sentence in [(["reasoning_gym:leg_countin"], "has no task 'leg_countin'; did you mean leg_counting"),
                            (["reasoning_gym:leg_counting", "--task-config", '{"legs": 3}'], "refused the config"),

@@ -7,7 +7,7 @@
     python tools/prepare_data.py --task reasoning_gym:leg_counting --size 2200 --seed 0 --output data/leg_counting
 
 `--task reasoning_gym:<name>` makes --size entries of one of reasoning-gym's tasks (`--task-config '{"max_animals":
-3}'`: its keyword arguments), the last --val-size of them in val.parquet (less those whose question is also in
+3}'`: its keyword arguments), about --val-size of them in val.parquet, split by question (no val question is in
 train.parquet); the rule reasoning_gym/* scores them with the task's own score_answer (reward_rules/).
 `--task verifiers:<path/to/env.py or module>` writes a verifiers environment's dataset (train) and eval dataset (val),
 for rollout.multi_turn.env=environments_verifiers.py:<the same> (environments_verifiers.py).
@@ -23,7 +23,9 @@ for rollout.multi_turn.env=environments_verifiers.py:<the same> (environments_ve
 import argparse
 import json
 import os
+import random
 import sys
+from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root, for data.py
 
@@ -122,8 +124,9 @@ def write_split(train: list[dict], val: list[dict], folder: str) -> None:
 
 
 def reasoning_gym_split(task: str, args) -> tuple[list[dict], list[dict]]:
-    """--size rows of reasoning-gym's task, the last --val-size held out, less those whose question train has too
-    (an easy config repeats questions: validation would measure memory)."""
+    """--size rows of reasoning-gym's task, split by question: questions drawn at random (--seed) go to val with every
+    row that asks them until val has --val-size rows, so that no val question is in train (an easy config repeats
+    questions) and val's rows are distributed as train's."""
     try:
         config = json.loads(args.task_config)
     except json.JSONDecodeError as e:
@@ -134,12 +137,21 @@ def reasoning_gym_split(task: str, args) -> tuple[list[dict], list[dict]]:
     if not 0 <= args.val_size < size:
         raise DataError(f"--val-size {args.val_size} must be below --size {size}")
     rows = make_reasoning_gym(task, size, args.seed, config, args.system_prompt, args.shots)
-    train, val = rows[:size - args.val_size], rows[size - args.val_size:]
-    seen = {row["prompt"][-1]["content"] for row in train}
-    kept = [row for row in val if row["prompt"][-1]["content"] not in seen]
-    if len(kept) < len(val):
-        print(f"dropped {len(val) - len(kept)} of {len(val)} val rows whose question is also in train")
-    return train, kept
+    asked = Counter(row["prompt"][-1]["content"] for row in rows)
+    questions = list(asked)
+    random.Random(args.seed).shuffle(questions)
+    held, count = set(), 0
+    for question in questions:
+        if count >= args.val_size:
+            break
+        held.add(question)
+        count += asked[question]
+    if count >= size:
+        raise DataError(f"reasoning_gym:{task} asks only {len(asked)} distinct questions in {size} rows: too few to "
+                        f"hold out {args.val_size} rows; lower --val-size or widen --task-config")
+    print(f"{len(asked)} distinct questions; {len(held)} of them held out for val ({count} rows)")
+    return ([row for row in rows if row["prompt"][-1]["content"] not in held],
+            [row for row in rows if row["prompt"][-1]["content"] in held])
 
 
 def verifiers_split(target: str) -> tuple[list[dict], list[dict]]:
