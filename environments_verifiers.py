@@ -200,4 +200,7 @@ def __getattr__(target: str):
 
 @functools.lru_cache(maxsize=None)
 def episode_class(target: str) -> type:
+    """The episode class of target's environment; the client class made here too, so that the processes forked
+    for the episodes inherit its imports instead of each importing them again (seconds)."""
+    policy_client_class()
     return type(f"Verifiers_{os.path.basename(target)}", (VerifiersEpisode,), {"env": load(target)})

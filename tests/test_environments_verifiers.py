@@ -152,7 +152,7 @@ def test_a_failing_environment_fails_its_episode_and_a_bad_file_fails_in_one_sen
 def run_ppo(model, folder, target, out, turns):
     cmd = [sys.executable, "ppo.py", "--config", "configs.yaml", f"model.path={model}",
            f"data.train_files={folder}/train.parquet", f"data.val_files={folder}/val.parquet", "rollout.name=hf",
-           "rollout.max_response_length=24", "data.max_prompt_length=96", "data.train_batch_size=2", "rollout.n=2",
+           "rollout.max_response_length=8", "data.max_prompt_length=96", "data.train_batch_size=2", "rollout.n=2",
            "actor.ppo_mini_batch_size=2", "trainer.total_steps=2", "trainer.save_freq=0", "trainer.test_freq=2",
            "trainer.sample_freq=0", "trainer.plot_curves=false", "trainer.val_before_train=false",
            "trainer.max_kl=0", f"trainer.output_dir={out}", "model.dtype=fp32", "model.lora_rank=8",
