@@ -39,12 +39,13 @@ import importlib.util
 import json
 import os
 import queue
+import re
 import threading
 
 
 def rubric_paid_by_environment(solution_str: str, ground_truth) -> float:
     """The built-in rule of verifiers/* rows (rewards.rule_for): 0.0, because their reward is the rubric, which
-    the environment pays at the episode's last token (agent/env_return_mean; val/agent/env_return_mean)."""
+    the environment pays turn by turn (agent/env_return_mean; val/agent/env_return_mean)."""
     return 0.0
 
 
@@ -56,7 +57,8 @@ def load(target: str):
         return vf.load_environment(target)
     if not os.path.isfile(target):
         raise FileNotFoundError(f"verifiers environment file {target} does not exist")
-    spec = importlib.util.spec_from_file_location(f"verifiers_env_{abs(hash(os.path.abspath(target)))}", target)
+    name = "verifiers_env_" + re.sub(r"\W", "_", os.path.splitext(os.path.abspath(target))[0])
+    spec = importlib.util.spec_from_file_location(name, target)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     if not callable(getattr(module, "load_environment", None)):
@@ -169,8 +171,9 @@ class VerifiersEpisode:
         kind, value, _, score = self.asks.get()
         if kind == "error":
             raise value
-        if kind == "done":
+        if kind == "done":  # verifiers scores a rollout that stopped on an error too (its has_error stop)
             metrics = {k: float(v) for k, v in (value["metrics"] or {}).items() if isinstance(v, (int, float))}
+            metrics["verifiers_error"] = float(value["error"] is not None)
             return [], float(value["reward"] or 0.0) - self.paid, True, metrics
         reward, self.paid = score - self.paid, score
         messages = as_dicts(value)[self.sent + 1:]  # after the prompt so far and the model's turn: env_response

@@ -102,6 +102,15 @@ def test_the_dataset_becomes_the_prompts(envs):
     assert rewards.rule_for("verifiers/single")("anything", train[2]["ground_truth"]) == 0.0  # the env pays
 
 
+def test_an_installed_module_is_loaded_as_verifiers_loads_it(envs, tmp_path, monkeypatch):
+    """A target without .py is a module name, loaded by vf.load_environment (its load_environment() called)."""
+    (tmp_path / "my_vf_single.py").write_text(SINGLE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    episode = getattr(environments_verifiers, "my_vf_single")()
+    row = rows_of(envs["single"][1] / "train.parquet")[0]
+    assert episode.reset(row) is None and episode.step("1")[1] == 1.75
+
+
 def test_single_turn_reward_is_the_rubric_with_its_weights(envs):
     """One turn, then done, with reward exact·1.0 + short·0.5 + answered·0.25 (hand-computed), the functions'
     values as info; the first messages are the row's own prompt (None)."""
@@ -129,7 +138,7 @@ def test_multi_turn_state_carries_across_turns(envs):
     assert steps[2][:3] == ([], pytest.approx(0.7 - -0.2), True) and steps[2][3]["won"] == 1.0
     _, lost = play(path, row, ["1", "2", "3", "5", "4"])  # max_turns=4: over at the fourth turn, never answered
     assert [step[1] for step in lost] == pytest.approx([-0.1, -0.1, -0.1, 0.0]) and lost[-1][2]
-    assert lost[-1][3] == {"won": 0.0, "guesses": 3.0, "num_turns": 4.0}
+    assert lost[-1][3] == {"won": 0.0, "guesses": 3.0, "num_turns": 4.0, "verifiers_error": 0.0}
 
 
 def test_a_failing_environment_fails_its_episode_and_a_bad_file_fails_in_one_sentence(envs, tmp_path):
