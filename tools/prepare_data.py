@@ -5,6 +5,13 @@
     python tools/prepare_data.py --task arithmetic-tool --output data/arithmetic_tool       # the agent demo (agent.py)
     python tools/prepare_data.py --task guess-number --output data/guess_number             # the environment demo
     python tools/prepare_data.py --input gsm8k_train.jsonl --output data/gsm8k --val-fraction 0.05 --seed 0
+    python tools/prepare_data.py --task reasoning_gym:leg_counting --size 2200 --seed 0 --output data/leg_counting
+
+`--task reasoning_gym:<name>` makes --size entries of one of reasoning-gym's tasks (`--task-config '{"max_animals":
+3}'`: its keyword arguments), about --val-size of them in val.parquet, split by question (no val question is in
+train.parquet); the rule reasoning_gym/* scores them with the task's own score_answer (reward_rules/).
+`--task verifiers:<path/to/env.py or module>` writes a verifiers environment's dataset (train) and eval dataset (val),
+for rollout.multi_turn.env=environments_verifiers.py:<the same> (environments_verifiers.py).
 
 `--output` is always a folder: train.parquet and val.parquet are written inside it.
 `--input` converts a jsonl file; the kind of row is detected from the first line's keys:
@@ -17,13 +24,17 @@
 import argparse
 import json
 import os
+import random
 import sys
+from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root, for data.py
 
 from data import (check_prompt, DataError, ground_truth_of, make_arithmetic, make_arithmetic_preferences,
-                  make_arithmetic_tool, make_guess_number, split_rows, write_parquet)
+                  make_arithmetic_tool, make_guess_number, make_reasoning_gym, split_rows, write_parquet)
 
+TASKS = {"arithmetic": make_arithmetic, "arithmetic-preferences": make_arithmetic_preferences,
+         "arithmetic-tool": make_arithmetic_tool, "guess-number": make_guess_number}  # and reasoning_gym:<name>
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'  # verl's wording
 HH_ASSISTANT = "\n\nAssistant:"
 
@@ -113,26 +124,76 @@ def write_split(train: list[dict], val: list[dict], folder: str) -> None:
             print(f"wrote {path} ({len(rows)} rows)")
 
 
+def reasoning_gym_split(task: str, args) -> tuple[list[dict], list[dict]]:
+    """--size rows of reasoning-gym's task, split by question: questions drawn at random (--seed) go to val with every
+    row that asks them until val has --val-size rows, so that no val question is in train (an easy config repeats
+    questions) and val's rows are distributed as train's."""
+    try:
+        config = json.loads(args.task_config)
+    except json.JSONDecodeError as e:
+        raise DataError(f"--task-config must be a JSON object of the task's keyword arguments: {e}") from None
+    if not isinstance(config, dict):
+        raise DataError(f"--task-config must be a JSON object of the task's keyword arguments, got {config!r}")
+    size = args.size or args.train_size + args.val_size
+    if not 0 <= args.val_size < size:
+        raise DataError(f"--val-size {args.val_size} must be below --size {size}")
+    rows = make_reasoning_gym(task, size, args.seed, config, args.system_prompt, args.shots)
+    asked = Counter(row["prompt"][-1]["content"] for row in rows)
+    questions = list(asked)
+    random.Random(args.seed).shuffle(questions)
+    held, count = set(), 0
+    for question in questions:
+        if count >= args.val_size:
+            break
+        held.add(question)
+        count += asked[question]
+    if count >= size:
+        raise DataError(f"reasoning_gym:{task} asks only {len(asked)} distinct questions in {size} rows: too few to "
+                        f"hold out {args.val_size} rows; lower --val-size or widen --task-config")
+    print(f"{len(asked)} distinct questions; {len(held)} of them held out for val ({count} rows)")
+    return ([row for row in rows if row["prompt"][-1]["content"] not in held],
+            [row for row in rows if row["prompt"][-1]["content"] in held])
+
+
+def verifiers_split(target: str) -> tuple[list[dict], list[dict]]:
+    """A verifiers environment's dataset and eval dataset as rows; a DataError when it cannot be loaded."""
+    import environments_verifiers
+    try:
+        return environments_verifiers.dataset_rows(target, "train"), environments_verifiers.dataset_rows(target, "eval")
+    except Exception as e:  # whatever the user's load_environment raises
+        raise DataError(f"--task verifiers:{target}: loading the environment failed: {type(e).__name__}: {e}") from None
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", help="jsonl file to convert (kind detected from its rows)")
-    parser.add_argument("--task", help="generate the demo data",
-                        choices=["arithmetic", "arithmetic-preferences", "arithmetic-tool", "guess-number"])
+    parser.add_argument("--task", help=f"generate rows: {', '.join(TASKS)}, reasoning_gym:<name> or "
+                                       f"verifiers:<path/to/env.py or module>")
     parser.add_argument("--output", required=True, help="folder for train.parquet and val.parquet")
     parser.add_argument("--val-fraction", type=float, default=0.05, help="share of --input rows held out as val")
     parser.add_argument("--train-size", type=int, default=2000, help="--task rows in train.parquet")
     parser.add_argument("--val-size", type=int, default=200, help="--task rows in val.parquet")
     parser.add_argument("--seed", type=int, default=0, help="seed for the demo rows or the train/val split")
+    parser.add_argument("--size", type=int, help="reasoning_gym: entries in all (default --train-size + --val-size)")
+    parser.add_argument("--task-config", default="{}", help="reasoning_gym: the task's keyword arguments, as JSON")
+    parser.add_argument("--system-prompt", default="default",
+                        help="reasoning_gym: which of reasoning_gym.utils.SYSTEM_PROMPTS the prompts start with")
+    parser.add_argument("--shots", type=int, default=0, help="reasoning_gym: worked examples before each question")
     args = parser.parse_args(argv)
     if (args.input is None) == (args.task is None):
         parser.error("give exactly one of --input or --task")
     if args.output.endswith(".parquet"):
         parser.error(f"--output is a folder (train.parquet and val.parquet go inside), got {args.output}")
     try:
-        if args.task:
-            make = {"arithmetic": make_arithmetic, "arithmetic-preferences": make_arithmetic_preferences,
-                    "arithmetic-tool": make_arithmetic_tool, "guess-number": make_guess_number}[args.task]
-            rows = make(args.train_size + args.val_size, args.seed)
+        if args.task and args.task.startswith("verifiers:"):
+            write_split(*verifiers_split(args.task.removeprefix("verifiers:")), args.output)
+        elif args.task and args.task.startswith("reasoning_gym:"):
+            write_split(*reasoning_gym_split(args.task.removeprefix("reasoning_gym:"), args), args.output)
+        elif args.task:
+            if args.task not in TASKS:
+                parser.error(f"--task {args.task}: choose {', '.join(TASKS)}, reasoning_gym:<name> or "
+                             f"verifiers:<path/to/env.py or module>")
+            rows = TASKS[args.task](args.train_size + args.val_size, args.seed)
             write_split(rows[:args.train_size], rows[args.train_size:], args.output)
         elif not os.path.isfile(args.input):
             raise DataError(f"input file {args.input} does not exist")
