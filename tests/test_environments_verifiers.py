@@ -173,7 +173,7 @@ def run_ppo(model, folder, target, out, turns):
 @pytest.mark.parametrize("name,turns", [("single", 1), ("multi", 4)])
 def test_verifiers_environments_train_two_steps_through_ppo(envs, tmp_path, name, turns):
     """ppo.py trains 2 steps on each environment's prompts with its rubric as the reward: every step ran every
-    episode without an environment error, the score is the environment's return (the rule of verifiers/* adds 0)
+    episode without an environment error, the reward is the environment's return (the rule of verifiers/* adds 0)
     and not 0 (each episode the tiny model plays gets answered·0.25, or loses 0.1 a guess), and validation (step 2)
     ran on the eval dataset."""
     environments = pytest.importorskip("environments", reason="needs issue 33 item 1's environments.py")
@@ -186,5 +186,6 @@ def test_verifiers_environments_train_two_steps_through_ppo(envs, tmp_path, name
     steps = [line for line in lines if "agent/env_errors_share" in line and line["step"] in (1, 2)]
     assert len(steps) >= 2 and all(line["agent/env_errors_share"] == 0.0 for line in steps), lines
     for line in steps:
-        assert line["score/mean"] == pytest.approx(line["agent/env_return_mean"]) != 0.0
+        assert line["score/mean"] == 0.0  # the rule's; the rubric is paid at the turns' tokens (no KL in the reward)
+        assert line["reward/mean"] == pytest.approx(line["agent/env_return_mean"]) != 0.0
     assert any("val/agent/env_return_mean" in line for line in lines), lines[-1]
