@@ -156,6 +156,17 @@ def make_tiny_model(path, seed=0, tokenizer=None, arch="llama", layers=2, kv_hea
     return str(path)
 
 
+def arithmetic_run_folder(root, train: int, val: int):
+    """`root` holding what a tiny ppo.py run reads: model/ (make_tiny_model), and train.parquet and val.parquet of
+    `train` and `val` arithmetic prompts (data.make_arithmetic, seed 0). Returns root."""
+    import data
+    make_tiny_model(root / "model")
+    rows = data.make_arithmetic(train + val, seed=0)
+    data.write_parquet(rows[:train], str(root / "train.parquet"))
+    data.write_parquet(rows[train:], str(root / "val.parquet"))
+    return root
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A tiny Llama + tokenizer folder, made once per test session."""

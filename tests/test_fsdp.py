@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, free_port, make_tiny_model, read_metrics, vllm_build
+from conftest import REPO, arithmetic_run_folder, free_port, read_metrics, vllm_build
 
 TOL = 1e-4
 COMPARED = ["score/mean", "kl/mean", "loss/policy", "loss/value", "value/mean", "policy/entropy", "reward/mean",
@@ -29,12 +29,8 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
-    import data
     root = tmp_path_factory.mktemp("fsdp")
-    make_tiny_model(root / "model")
-    rows = data.make_arithmetic(64, seed=0)
-    data.write_parquet(rows[:48], str(root / "train.parquet"))
-    data.write_parquet(rows[48:], str(root / "val.parquet"))
+    arithmetic_run_folder(root, 48, 16)
     (root / "reward.py").write_text(REWARD_FILE)
     return root
 

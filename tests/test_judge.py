@@ -15,7 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from conftest import REPO, free_port, make_tiny_model, read_metrics
+from conftest import REPO, arithmetic_run_folder, free_port, make_tiny_model, read_metrics
 from infra.cli import load_config
 from infra.config import ConfigError
 
@@ -237,12 +237,8 @@ def test_the_start_up_check_names_the_key(stub, template_file, tmp_path):
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
-    import data
     root = tmp_path_factory.mktemp("judge_run")
-    make_tiny_model(root / "model")
-    rows = data.make_arithmetic(40, seed=0)
-    data.write_parquet(rows[:32], str(root / "train.parquet"))
-    data.write_parquet(rows[32:], str(root / "val.parquet"))
+    arithmetic_run_folder(root, 32, 8)
     return root
 
 

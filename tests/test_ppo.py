@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, free_port, make_tiny_model, read_metrics
+from conftest import REPO, arithmetic_run_folder, free_port, read_metrics
 
 # A reward a random tiny model can earn: longer answers with more digits score higher. It uses
 # verl's signature and returns a dict, so the custom-function path and extra keys are exercised.
@@ -33,12 +33,8 @@ REQUIRED = ["step", "score/mean", "reward/mean", "kl/mean", "kl/coef", "policy/e
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     """A tiny model, train/val parquet files of arithmetic prompts, and the custom reward files."""
-    import data
     root = tmp_path_factory.mktemp("ppo")
-    make_tiny_model(root / "model")
-    rows = data.make_arithmetic(80, seed=0)
-    data.write_parquet(rows[:64], str(root / "train.parquet"))
-    data.write_parquet(rows[64:], str(root / "val.parquet"))
+    arithmetic_run_folder(root, 64, 16)
     (root / "reward.py").write_text(REWARD_FILE)
     (root / "nan_reward.py").write_text(NAN_REWARD_FILE)
     return root

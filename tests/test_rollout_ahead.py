@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from conftest import REPO, make_tiny_model, make_tokenizer, read_metrics
+from conftest import REPO, arithmetic_run_folder, make_tokenizer, read_metrics
 from infra.cli import load_config
 from infra.config import ConfigError
 from rewards import Scores
@@ -193,11 +193,7 @@ def test_what_cannot_run_ahead_is_refused_at_start_up(overrides, message):
 def test_k0_logs_exactly_what_the_loop_before_it_logged(tmp_path):
     """rollout.steps_ahead=0 (the default) is the synchronous loop unchanged: ppo.py of this tree and of the base
     commit, on the same tiny model, data and seed, log the same keys and values at every step (times aside)."""
-    import data
-    make_tiny_model(tmp_path / "model")
-    rows = data.make_arithmetic(40, seed=0)
-    data.write_parquet(rows[:32], str(tmp_path / "train.parquet"))
-    data.write_parquet(rows[32:], str(tmp_path / "val.parquet"))
+    arithmetic_run_folder(tmp_path, 32, 8)
     base = tmp_path / "base"
     base.mkdir()
     archive = subprocess.run(["git", "-C", REPO, "archive", BASE], capture_output=True, check=True).stdout

@@ -18,7 +18,7 @@ import psutil
 import pytest
 import torch
 
-from conftest import REPO, free_port, make_tiny_model, read_metrics
+from conftest import REPO, arithmetic_run_folder, free_port, read_metrics
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                                    reason="vLLM is not installed")]
@@ -52,14 +52,10 @@ def config(root, *overrides):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """<root> with a tiny model, data and a reward; the module's server (LoRA enabled, rank 8) at its url."""
-    import data
     from rollout_server import ServerProcess
 
     root = tmp_path_factory.mktemp("server")
-    make_tiny_model(root / "model")
-    rows = data.make_arithmetic(48, seed=0)
-    data.write_parquet(rows[:40], str(root / "train.parquet"))
-    data.write_parquet(rows[40:], str(root / "val.parquet"))
+    arithmetic_run_folder(root, 40, 8)
     (root / "reward.py").write_text(REWARD_FILE)
     process = ServerProcess(config(root), torch.float32, 32 << 20, str(root / "server.log"))
     yield root, process.url
