@@ -71,7 +71,7 @@ class Samples:
                        padded("response_mask", 0), padded("rollout_logprobs", 0.0), [x for p in parts for x in p.texts],
                        torch.cat([p.scores for p in parts]), torch.cat([p.truncated for p in parts]),
                        padded("attention_mask", 0), padded("token_rewards", 0.0), [x for p in parts for x in p.extras],
-                       torch.cat([p.versions for p in parts]))
+                       None if parts[0].versions is None else torch.cat([p.versions for p in parts]))
 
 
 

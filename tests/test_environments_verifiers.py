@@ -1,6 +1,6 @@
 """verifiers' environments drop in (environments_verifiers.py): their dataset as the prompts, verifiers' own rollout
 driving the turns (env_response, stop conditions, state), their rubric with its weights as the reward; end to end
-through ppo.py for 2 steps, with environments built inside the test (a SingleTurnEnv and a MultiTurnEnv)."""
+through ppo.py for 2 steps, on examples/verifiers_add_one.py (a SingleTurnEnv) and a MultiTurnEnv built here."""
 import json
 import subprocess
 import sys
@@ -15,22 +15,7 @@ from tools import prepare_data
 pytest.importorskip("verifiers")
 import environments_verifiers  # noqa: E402 (after the skip)
 
-SINGLE = '''
-import verifiers as vf
-from datasets import Dataset
-
-def load_environment():
-    rows = [{"question": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(8)]
-    def exact(completion, answer, **kwargs):
-        return float(completion[-1]["content"].strip() == answer)
-    def short(completion, **kwargs):
-        return float(len(completion[-1]["content"]) <= 2)
-    def answered(completion, **kwargs):
-        return float(len(completion) == 1)
-    rubric = vf.Rubric(funcs=[exact, short, answered], weights=[1.0, 0.5, 0.25])
-    return vf.SingleTurnEnv(dataset=Dataset.from_list(rows), eval_dataset=Dataset.from_list(rows[:4]),
-                            system_prompt="Answer with the number.", rubric=rubric)
-'''
+SINGLE = open(f"{REPO}/examples/verifiers_add_one.py").read()  # the README's example
 
 MULTI = '''
 import verifiers as vf

@@ -18,7 +18,7 @@ import sys
 import pytest
 import yaml
 
-from conftest import REPO, make_tiny_model, read_metrics
+from conftest import CORPUS, REPO, make_tiny_model, make_tokenizer, read_metrics
 
 from infra import cli
 
@@ -34,8 +34,12 @@ GSM8K_LIKE = [  # (question, answer) in GSM8K's distributed jsonl form: reasonin
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A tiny model, and GSM8K-shaped train.jsonl (8 rows) and test.jsonl (4 rows) where the recipes look."""
+    import data
     root = tmp_path_factory.mktemp("examples")
-    make_tiny_model(root / "model", arch="qwen2")
+    # its tokenizer knows the stand-in rows' words, as a real one does: byte by byte, the tool rows' few-shot
+    # prompt would be 199 tokens, over the max_prompt_length the documented lines keep (128)
+    texts = [m["content"] for row in data.make_arithmetic_tool(8, seed=0) for m in row["prompt"]]
+    make_tiny_model(root / "model", arch="qwen2", tokenizer=make_tokenizer(CORPUS + texts * 20, vocab_size=600))
     (root / "raw").mkdir()
     for name, rows in (("train", GSM8K_LIKE * 2), ("test", GSM8K_LIKE)):
         with open(root / "raw" / f"{name}.jsonl", "w") as f:

@@ -135,7 +135,7 @@ def test_make_install_picks_the_device_and_make_test_hides_the_gpus(tmp_path, fa
     installed, to the device the stamp records, so a login node without GPUs keeps a DEVICE=cuda install; another
     DEVICE installs again, the other build's torch and vLLM removed; a DEVICE that is neither fails in a sentence; and
     make test runs pytest with the GPUs hidden."""
-    for name in ("Makefile", "requirements.txt", "requirements-logging.txt"):
+    for name in ("Makefile", "requirements.txt", "requirements-logging.txt", "requirements-verifiers.txt"):
         shutil.copy(os.path.join(REPO, name), tmp_path / name)
     installs_for = lambda proc: [d for d in ("cuda", "cpu") if f'if [ "{d}" = cuda ]' in proc.stdout]  # noqa: E731
     assert installs_for(make_dry(tmp_path, "install", path=tmp_path / "nowhere")) == ["cpu"]

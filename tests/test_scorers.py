@@ -180,7 +180,7 @@ def test_step_rewards_change_gae_as_computed_by_hand():
 def test_samples_carry_token_rewards_and_extras_through_rounds():
     """Samples.cat of a round with token rewards and one without: zeros stand for the missing ones, padded to the
     longest response; the extras follow their rows, and take keeps both."""
-    from rollout import Samples
+    from sampling import Samples
 
     def samples(T, rewards, extra):
         return Samples([{}], torch.zeros(1, T, dtype=torch.long), torch.ones(1, T), None, ["x"], torch.zeros(1),
@@ -196,7 +196,7 @@ def test_the_sampler_adds_the_rollouts_token_rewards_to_the_scorers(tmp_path):
     environment would) and a step-reward function: Samples.token_rewards is the sum of the two, the score is the
     function's, and each sample's extras travel in Samples.extras."""
     from rewards import Scores
-    from rollout import Samples
+    from sampling import Samples
     from sampling import Sampler
     from scorers import Scorer
     path = tmp_path / "steps.py"
@@ -216,7 +216,7 @@ def test_the_sampler_adds_the_rollouts_token_rewards_to_the_scorers(tmp_path):
     accelerator = SimpleNamespace(device=torch.device("cpu"), reduce=lambda x, op: x)
     cfg = load_config(None, [f"reward.function={path}:compute_score", "rollout.n=2"])
     scorer = Scorer(cfg.reward, "cpu", None, tokenizer=tok)
-    sample = Sampler(Rollout(), tok, scorer, accelerator, cfg, 1)
+    sample = Sampler(Rollout(), tok, scorer, accelerator, cfg, 1, version=0)  # as batch() sets it
     got, metrics = sample([dict(ROWS[0], prompt_ids=[1])], seed=0, times={})
     alone = scorer([ROWS[0]] * 2, texts, rollout_of(tok, texts))
     assert isinstance(got, Samples) and isinstance(alone, Scores) and got.scores.tolist() == [1.0, 0.0]

@@ -161,7 +161,7 @@ def test_every_numina_source_routes_to_prime_math(verl_score):
 def test_verl_routes_every_built_in_verl_name_the_same_way(verl_score):
     """Every data_source this library claims as verl's is one verl scores (it raises for none of them), and
     default_compute_score keeps verl's parameters."""
-    own = {"gsm8k", "boxed", "arithmetic"}
+    own = {"gsm8k", "boxed", "arithmetic", "environment"}  # this library's own
     for source in set(rewards.BUILTIN_SCORES) - own:
         verl_score(source, "Answer: 1", "1")
     assert list(inspect.signature(verl_score).parameters) == list(
