@@ -12,7 +12,6 @@ The demo asks "a + b" (one operand from 10 to 19, the other one-digit) in a one-
 `arithmetic` reward (reward_rules/library.py) wants "a + b = c" or the bare sum. SmolLM2-135M-Instruct gets about half
 of these sums wrong ("15 + 2 = 27"): room to learn one rule, the tens digit.
 """
-import difflib
 import math
 import numbers
 import os
@@ -389,49 +388,4 @@ def make_guess_number(n: int, seed: int) -> list[dict]:
                   {"role": "user", "content": f"A number from {lo} to {lo + 9}."}]
         rows.append({"prompt": prompt, "ground_truth": str(secret), "data_source": "environment",
                      "extra_info": {"index": i, "lo": lo, "hi": lo + 9, "secret": secret}})
-    return rows
-
-
-# ---- reasoning-gym's procedural tasks (reward_rules/reasoning_gym_rules.py scores them with the task's score_answer)
-def make_reasoning_gym(task: str, n: int, seed: int, config: dict, system_prompt: str = "default",
-                       shots: int = 0) -> list[dict]:
-    """n entries of reasoning-gym's task made with seed and config (its keyword arguments), one RL row each: one of
-    reasoning-gym's SYSTEM_PROMPTS (they ask for the answer in <answer> tags), `shots` worked examples (the same
-    for every row: entries of seed + 1, answered "<answer>…</answer>"), the question; the ground truth the rule
-    rebuilds the entry and the task from; data_source reasoning_gym/<task>. A task whose entries do not come back
-    from JSON with the same score for their own answer is refused."""
-    import reasoning_gym  # deferred: only this task needs it
-    from reasoning_gym.factory import DATASETS
-    from reasoning_gym.utils import SYSTEM_PROMPTS
-    from reward_rules.reasoning_gym_rules import ground_truth_text, read_ground_truth
-    where = f"--task reasoning_gym:{task}"
-    if task not in DATASETS:
-        near = difflib.get_close_matches(task, DATASETS, n=3)
-        raise DataError(f"{where}: reasoning-gym has no task {task!r}" + (f"; did you mean {', '.join(near)}?" if near
-                        else f"; it has {len(DATASETS)}: {', '.join(sorted(DATASETS))}"))
-    if system_prompt not in SYSTEM_PROMPTS:
-        raise DataError(f"--system-prompt {system_prompt!r}: reasoning-gym's prompts are {', '.join(SYSTEM_PROMPTS)}")
-    config = {**config, "seed": seed, "size": n}
-    try:
-        dataset = reasoning_gym.create_dataset(task, **config)
-        entries = [dataset[i] for i in range(n)]
-        shown = reasoning_gym.create_dataset(task, **{**config, "seed": seed + 1, "size": shots}) if shots else []
-        examples = list(shown)
-    except (TypeError, ValueError, AssertionError) as e:  # an unknown or out-of-range config key
-        raise DataError(f"{where} --task-config: reasoning-gym refused the config {config}: {e}") from None
-    rows = []
-    for i, entry in enumerate(entries):
-        try:
-            truth = ground_truth_text(task, config, entry)
-        except TypeError as e:
-            raise DataError(f"{where}: entry {i} cannot be stored as JSON ({e}); this task is not supported") from None
-        if dataset.score_answer(entry["answer"], read_ground_truth(truth)["entry"]) != dataset.score_answer(
-                entry["answer"], entry):
-            raise DataError(f"{where}: entry {i} scores its own answer differently once stored as JSON (its metadata "
-                            f"holds tuples or other values JSON changes); this task is not supported")
-        worked = [m for e in examples for m in ({"role": "user", "content": e["question"]},
-                                                {"role": "assistant", "content": f"<answer>{e['answer']}</answer>"})]
-        rows.append({"prompt": [{"role": "system", "content": SYSTEM_PROMPTS[system_prompt]}, *worked,
-                                {"role": "user", "content": entry["question"]}],
-                     "ground_truth": truth, "data_source": f"reasoning_gym/{task}", "extra_info": {"index": i}})
     return rows

@@ -83,15 +83,15 @@ import kl
 from advantages import COMPARES_SAMPLES, masked_mean, NEEDS_CRITIC
 from critic import explained_variance, value_loss
 from infra import cli, config
-from infra.batches import autocast_dtype, Forward, micro_batch, per_token_pass, resolve_dtype, split_micro
+from infra.batches import (autocast_dtype, Forward, micro_batch, per_token_pass, resolve_dtype, set_train_mode,
+                           split_micro)
 from infra.checks import check_combinations, check_sizes, rejection_band, Sizes
 from infra.config import ConfigError
 from infra.distributed import fsdp_from_launcher, make_accelerator, max_over_processes, use_cpu
 from infra.layouts import batch_layout
 from infra.metrics import (batch_metrics, check_loggers, console_line, reduce_metrics, sample_table,
                            sum_over_processes, timed)
-from infra.models import (check_model_folders, check_teacher, load_models, load_teacher, policy_tokenizer,
-                          set_train_mode)
+from infra.models import check_model_folders, check_teacher, load_models, load_teacher, policy_tokenizer
 from infra.optim import make_optimizer, StopAtMicroBatch, train_step
 from infra.runs import check_learning, Interrupted, save_checkpoint, start_run, StopSignal
 from infra.train_state import keep_best, resume, save_final, TrainState

@@ -301,3 +301,12 @@ def per_token_pass(fn, batch, size, max_tokens, lengths, device, largest_count=s
             columns = slice(T - part.shape[1], T) if prompt else slice(0, part.shape[1])
             whole[inds, columns] = part
     return out if isinstance(result, dict) else out[None]
+
+
+def set_train_mode(models: list, on: bool) -> None:
+    """Train mode for the updates, eval mode for the no-grad passes. That only switches gradient checkpointing
+    (transformers recomputes only in train mode), since every dropout is 0 (these configs' attention_dropout,
+    lora_dropout's default, the critic's head); a lora_dropout > 0 would make the first epoch's ratio differ from 1."""
+    for model in models:
+        if model is not None:
+            model.train(on)

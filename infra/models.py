@@ -85,15 +85,6 @@ def use_gradient_checkpointing(model) -> None:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def set_train_mode(models: list, on: bool) -> None:
-    """Train mode for the updates, eval mode for the no-grad passes. That only switches gradient checkpointing
-    (transformers recomputes only in train mode), since every dropout is 0 (these configs' attention_dropout,
-    lora_dropout's default, the critic's head); a lora_dropout > 0 would make the first epoch's ratio differ from 1."""
-    for model in models:
-        if model is not None:
-            model.train(on)
-
-
 def check_model_path(path: str, key: str, need: str = "model", trust_remote_code: bool = False) -> None:
     """Before anything loads: a local folder that is missing or holds no model (need="model": config.json and
     safetensors weights) or no tokenizer (need="tokenizer") fails in a sentence; so does a LoRA adapter, a folder

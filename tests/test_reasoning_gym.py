@@ -38,7 +38,7 @@ def test_scores_equal_reasoning_gyms_own_on_every_task():
     wrong = []
     for task in TASKS:
         theirs = reasoning_gym.create_dataset(task, seed=SEED, size=N)
-        for row, entry in zip(data.make_reasoning_gym(task, N, SEED, {}), list(theirs)):
+        for row, entry in zip(prepare_data.make_reasoning_gym(task, N, SEED, {}), list(theirs)):
             assert row["data_source"] == f"reasoning_gym/{task}"
             assert row["prompt"][-1]["content"] == entry["question"]
             for response in responses(str(entry["answer"])):
@@ -54,7 +54,7 @@ def test_hand_computed_leg_counting_scores():
     """leg_counting's entry 0 with seed 0 has answer 500 (checked here); its score_answer gives 1 for "500" in
     tags, len("500")/len(answer) when the answer merely holds it, 0 for another number or no tags, and the rule reads
     the last <answer> of the response."""
-    row = data.make_reasoning_gym("leg_counting", 1, 0, {})[0]
+    row = prepare_data.make_reasoning_gym("leg_counting", 1, 0, {})[0]
     assert json.loads(row["ground_truth"])["entry"]["answer"] == "500"
 
     def score(text):
@@ -72,7 +72,7 @@ def test_the_rule_scores_with_the_config_the_rows_were_made_with():
     decimal place, an answer off by 0.05 is right (as reasoning-gym scores it with that config), where the default
     config's tolerance would call it wrong."""
     config = {"max_num_decimal_places": 1, "min_num_decimal_places": 1}
-    row = data.make_reasoning_gym("decimal_arithmetic", 1, 3, config)[0]
+    row = prepare_data.make_reasoning_gym("decimal_arithmetic", 1, 3, config)[0]
     entry = json.loads(row["ground_truth"])["entry"]
     near = f"<answer>{float(entry['answer']) + 0.05:.2f}</answer>"
     theirs = reasoning_gym.create_dataset("decimal_arithmetic", seed=3, size=1, **config)

@@ -22,6 +22,7 @@ for rollout.multi_turn.env=environments_verifiers.py:<the same> (environments_ve
               shared text through the last "\\n\\nAssistant:" is `prompt`, so prompt + chosen is the original
 """
 import argparse
+import difflib
 import json
 import os
 import random
@@ -31,7 +32,7 @@ from collections import Counter
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root, for data.py
 
 from data import (check_prompt, DataError, ground_truth_of, make_arithmetic, make_arithmetic_preferences,
-                  make_arithmetic_tool, make_guess_number, make_reasoning_gym, split_rows, write_parquet)
+                  make_arithmetic_tool, make_guess_number, split_rows, write_parquet)
 
 TASKS = {"arithmetic": make_arithmetic, "arithmetic-preferences": make_arithmetic_preferences,
          "arithmetic-tool": make_arithmetic_tool, "guess-number": make_guess_number}  # and reasoning_gym:<name>
@@ -40,6 +41,52 @@ HH_ASSISTANT = "\n\nAssistant:"
 
 
 # ---- converting jsonl
+
+# ---- reasoning-gym's procedural tasks (reward_rules/reasoning_gym_rules.py scores them with the task's score_answer)
+def make_reasoning_gym(task: str, n: int, seed: int, config: dict, system_prompt: str = "default",
+                       shots: int = 0) -> list[dict]:
+    """n entries of reasoning-gym's task made with seed and config (its keyword arguments), one RL row each: one of
+    reasoning-gym's SYSTEM_PROMPTS (they ask for the answer in <answer> tags), `shots` worked examples (the same
+    for every row: entries of seed + 1, answered "<answer>…</answer>"), the question; the ground truth the rule
+    rebuilds the entry and the task from; data_source reasoning_gym/<task>. A task whose entries do not come back
+    from JSON with the same score for their own answer is refused."""
+    import reasoning_gym  # deferred: only this task needs it
+    from reasoning_gym.factory import DATASETS
+    from reasoning_gym.utils import SYSTEM_PROMPTS
+    from reward_rules.reasoning_gym_rules import ground_truth_text, read_ground_truth
+    where = f"--task reasoning_gym:{task}"
+    if task not in DATASETS:
+        near = difflib.get_close_matches(task, DATASETS, n=3)
+        raise DataError(f"{where}: reasoning-gym has no task {task!r}" + (f"; did you mean {', '.join(near)}?" if near
+                        else f"; it has {len(DATASETS)}: {', '.join(sorted(DATASETS))}"))
+    if system_prompt not in SYSTEM_PROMPTS:
+        raise DataError(f"--system-prompt {system_prompt!r}: reasoning-gym's prompts are {', '.join(SYSTEM_PROMPTS)}")
+    config = {**config, "seed": seed, "size": n}
+    try:
+        dataset = reasoning_gym.create_dataset(task, **config)
+        entries = [dataset[i] for i in range(n)]
+        shown = reasoning_gym.create_dataset(task, **{**config, "seed": seed + 1, "size": shots}) if shots else []
+        examples = list(shown)
+    except (TypeError, ValueError, AssertionError) as e:  # an unknown or out-of-range config key
+        raise DataError(f"{where} --task-config: reasoning-gym refused the config {config}: {e}") from None
+    rows = []
+    for i, entry in enumerate(entries):
+        try:
+            truth = ground_truth_text(task, config, entry)
+        except TypeError as e:
+            raise DataError(f"{where}: entry {i} cannot be stored as JSON ({e}); this task is not supported") from None
+        if dataset.score_answer(entry["answer"], read_ground_truth(truth)["entry"]) != dataset.score_answer(
+                entry["answer"], entry):
+            raise DataError(f"{where}: entry {i} scores its own answer differently once stored as JSON (its metadata "
+                            f"holds tuples or other values JSON changes); this task is not supported")
+        worked = [m for e in examples for m in ({"role": "user", "content": e["question"]},
+                                                {"role": "assistant", "content": f"<answer>{e['answer']}</answer>"})]
+        rows.append({"prompt": [{"role": "system", "content": SYSTEM_PROMPTS[system_prompt]}, *worked,
+                                {"role": "user", "content": entry["question"]}],
+                     "ground_truth": truth, "data_source": f"reasoning_gym/{task}", "extra_info": {"index": i}})
+    return rows
+
+
 def split_hh(chosen: str, rejected: str) -> tuple[str, str, str]:
     """(prompt, chosen reply, rejected reply): the shared text up to its last "\\n\\nAssistant:" is the prompt."""
     shared = os.path.commonprefix([chosen, rejected])
