@@ -137,7 +137,7 @@ def server_command(cfg, port: int, dtype: torch.dtype, kv_bytes: int) -> list[st
            "--logprobs-mode", "processed_logprobs", "--enable-prefix-caching", "--generation-config", "vllm"]
     cmd += ["--enforce-eager"] if ro.enforce_eager else []
     cmd += ["--trust-remote-code"] if cfg.model.trust_remote_code else []
-    if cfg.model.lora_rank:
+    if cfg.model.lora_rank and cfg.rollout.server.lora_push == "adapter":
         cmd += ["--enable-lora", "--max-lora-rank", str(cfg.model.lora_rank), "--max-loras", "1"]
     if torch.cuda.is_available() or ro.server.devices:
         return cmd + ["--gpu-memory-utilization", str(ro.gpu_memory_utilization)]
@@ -219,8 +219,9 @@ class ServerRollout:
     """A vLLM OpenAI-compatible server in its own process (rollout_server.py): this run's child on rollout.server's
     cores or devices, or the one at rollout.server.url. Every process sends its own prompts, one request each;
     sync_weights gathers the actor on every process (FSDP2) and rank 0 pushes it through a folder the server reads:
-    a LoRA actor's adapter, loaded under a new name each time, or the full weights, reloaded in place. The sampler's
-    logprobs are processed_logprobs, as VLLMRollout's (a server at rollout.server.url must be started so)."""
+    a LoRA actor's adapter, loaded under a new name each time, or the full weights (a LoRA actor's merged, with
+    rollout.server.lora_push=merged), reloaded in place. The sampler's logprobs are processed_logprobs, as
+    VLLMRollout's (a server at rollout.server.url must be started so)."""
     gives_logprobs, runs_apart = True, True
 
     def __init__(self, cfg, model, tokenizer, accelerator):
@@ -228,7 +229,8 @@ class ServerRollout:
 
         self.cfg, self.accelerator, self.unwrap = cfg.rollout, accelerator, accelerator.unwrap_model
         self.pad_id, self.eos_ids = tokenizer.pad_token_id, eos_ids_of(tokenizer, self.unwrap(model))
-        self.lora, self.rank = cfg.model.lora_rank > 0, accelerator.process_index
+        self.push_adapter = cfg.model.lora_rank > 0 and cfg.rollout.server.lora_push == "adapter"  # else: full weights
+        self.rank = accelerator.process_index
         dtype = cfg.model.dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype  # auto: as the trainer computes
         self.dtype = autocast_dtype(dtype) or torch.float32
         self.folder, self.pushes, self.process = os.path.join(cfg.trainer.output_dir, "rollout_weights"), 0, None
@@ -270,10 +272,11 @@ class ServerRollout:
         no process samples before the server holds them."""
         model, self.pushes = self.unwrap(model), self.pushes + 1
         old, folder = os.path.join(self.folder, str(self.pushes - 1)), os.path.join(self.folder, str(self.pushes))
-        weights = adapter_weights(model) if self.lora else ((k, w.to(self.dtype)) for k, w in policy_weights(model))
+        full = ((k, w.to(self.dtype)) for k, w in policy_weights(model))  # a LoRA actor's merged: W + s·B·A
+        weights = adapter_weights(model) if self.push_adapter else full
         if self.accelerator.is_main_process:
             shutil.rmtree(folder, ignore_errors=True)  # the server reads every *.safetensors there
-            if self.lora:  # small: one file, where PEFT (and so vLLM) looks for it
+            if self.push_adapter:  # small: one file, where PEFT (and so vLLM) looks for it
                 os.makedirs(folder, exist_ok=True)
                 save_file(dict(weights), os.path.join(folder, "adapter_model.safetensors"))
                 model.peft_config[model.active_adapter].save_pretrained(folder)
@@ -286,7 +289,7 @@ class ServerRollout:
         else:
             for _ in weights:  # the gathers are collectives: every process walks the weights
                 pass
-        self.model_name = self.adapter_name(self.pushes) if self.lora else self.client.base
+        self.model_name = self.adapter_name(self.pushes) if self.push_adapter else self.client.base
         self.accelerator.wait_for_everyone()
 
     def adapter_name(self, push: int) -> str:
@@ -297,7 +300,7 @@ class ServerRollout:
         """The child stops; a server at rollout.server.url drops this run's adapter. The weight folders go."""
         if self.process is not None:
             self.process.stop()
-        elif self.lora and self.accelerator.is_main_process:
+        elif self.push_adapter and self.accelerator.is_main_process:
             post(f"{self.client.url}/v1/unload_lora_adapter", {"lora_name": self.model_name})
         if self.accelerator.is_main_process:
             shutil.rmtree(self.folder, ignore_errors=True)

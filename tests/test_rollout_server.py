@@ -4,8 +4,8 @@ ahead (rollout.steps_ahead=1, the thread against the same schedule in turn, 2 FS
 child server that stops with its run.
 
 One server for the module (started by rollout_server.ServerProcess, the code ppo.py starts its child with), fp32, on
-a tiny model with LoRA enabled; the tests that push full weights come last and put the base back. The SIGTERM test
-starts a second server, as ppo.py's own child.
+a tiny model with LoRA enabled; every test that pushes full weights (a full fine-tune, or a LoRA actor merged) puts
+the base back after it. The SIGTERM test starts a second server, as ppo.py's own child.
 """
 import importlib.util
 import os
@@ -92,21 +92,33 @@ def train_a_step(model, ids: list[int], lr: float) -> None:
     optimizer.zero_grad()
 
 
-def test_lora_pushes_make_the_server_answer_as_hf_generate(server):
-    """A LoRA actor pushed after each of 3 updates (a new adapter each time, through /v1/load_lora_adapter): the
-    server's greedy answers equal HF generate's on the trainer's weights, and the updates did change them."""
+@pytest.fixture
+def base_restored(server):
+    """Full-weight pushes change the module server's base: it reloads model.path afterwards."""
+    yield
+    from rollout_server import Client
+    root, url = server
+    Client(url, 1).reload_weights(str(root / "model"))
+
+
+@pytest.mark.parametrize("push", ["adapter", "merged"])
+def test_lora_pushes_make_the_server_answer_as_hf_generate(server, base_restored, push):
+    """A LoRA actor pushed after each of 3 updates (adapter: a new adapter each time, through /v1/load_lora_adapter;
+    merged: W + s·B·A as full weights, reloaded in place): the server's greedy answers equal HF generate's on the
+    trainer's weights, and the updates did change them."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     from rollout_server import ServerRollout
     root, url = server
-    cfg = config(root, f"rollout.server.url={url}")
+    cfg = config(root, f"rollout.server.url={url}", f"rollout.server.lora_push={push}")
     torch.manual_seed(0)
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(root / "model", dtype=torch.float32),
                            LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(root / "model")
     rollout, asked = ServerRollout(cfg, model, tokenizer, OneProcess()), prompts(root)
+    assert (rollout.model_name != rollout.client.base) == (push == "adapter")  # what the requests name
     answers = [served_greedy(rollout, asked)]
     assert answers[0] == hf_greedy(model, asked, tokenizer.eos_token_id)
     for version in (1, 2, 3):
@@ -190,15 +202,6 @@ def test_two_fsdp2_processes_one_step_ahead_log_what_one_logs(server, tmp_path):
         for key in ("score/mean", "kl/mean", "loss/policy", "policy/entropy", "actor/grad_norm",
                     "rollout/logprob_diff_mean"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
-
-
-@pytest.fixture
-def base_restored(server):
-    """Full-weight pushes change the module server's base: it reloads model.path afterwards."""
-    yield
-    from rollout_server import Client
-    root, url = server
-    Client(url, 1).reload_weights(str(root / "model"))
 
 
 def test_full_weight_pushes_make_the_server_answer_as_hf_generate(server, base_restored):
