@@ -369,10 +369,11 @@ def make_arithmetic_tool(n: int, seed: int) -> list[dict]:
 # guess (examples/guess_number.py). Shown one worked game, SmolLM2-135M-Instruct answers with bare numbers but mostly
 # outside the range it is given (15, 16, 17, 18 for 50 to 59): greedy, it wins 0.115 of 200 games in 4 guesses, 0.07
 # in 3 (measured with vLLM, bf16, before this demo was written). Binary search wins every game in 4.
-GUESS_SYSTEM = "Guess my secret number. Reply with one number only. After each guess I say higher or lower."
+GUESS_SYSTEM = ("Guess my secret number. Reply with one number only. After each guess I say higher or lower, and "
+                "the numbers it can still be.")
 GUESS_SHOT = [{"role": "user", "content": "A number from 1 to 10."}, {"role": "assistant", "content": "5"},
-              {"role": "user", "content": "higher"}, {"role": "assistant", "content": "8"},
-              {"role": "user", "content": "lower"}, {"role": "assistant", "content": "7"},
+              {"role": "user", "content": "higher: 6 to 10"}, {"role": "assistant", "content": "8"},
+              {"role": "user", "content": "lower: 6 to 7"}, {"role": "assistant", "content": "7"},
               {"role": "user", "content": "correct"}]
 
 

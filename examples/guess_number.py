@@ -1,5 +1,6 @@
 """The environment of the environment demo (make env): guess a secret whole number from a range of ten, told higher
-or lower after each guess. A whole file of what adding an environment takes (environments.py has the contract).
+or lower after each guess, and the numbers it can still be. A whole file of what adding an environment takes
+(environments.py has the contract).
 
     python tools/prepare_data.py --task guess-number --output data/guess_number     # rows: the range, the secret
     accelerate launch ppo.py --config examples/guess_number.yaml
@@ -34,5 +35,6 @@ class GuessNumber:
             self.low = max(self.low, guess + 1)
         else:
             self.high = min(self.high, guess - 1)
-        return Step([{"role": "user", "content": "higher" if guess < self.secret else "lower"}],
+        answer = "higher" if guess < self.secret else "lower"
+        return Step([{"role": "user", "content": f"{answer}: {self.low} to {self.high}"}],  # what it can still be
                     reward=CONSISTENT if possible else 0.0, info=info)

@@ -314,9 +314,9 @@ def test_message_text_never_becomes_a_control_token(tokenizer, where):
 
 def test_the_demo_game_is_strict_and_its_rows_are_winnable():
     """data.make_guess_number: each secret lies in its row's range of ten, which the last user message names; the
-    demo's GuessNumber answers higher/lower, pays 0.1 for a guess the answers so far allow, 0 for one they rule out,
-    1.0 only at the turn that names the secret, and ends a game unrewarded at a turn that is not one bare number
-    (several numbers, words, an empty turn)."""
+    demo's GuessNumber answers higher/lower with the numbers the secret can still be, pays 0.1 for a guess the
+    answers so far allow, 0 for one they rule out, 1.0 only at the turn that names the secret, and ends a game
+    unrewarded at a turn that is not one bare number (several numbers, words, an empty turn)."""
     import data
     sys.path.insert(0, os.path.join(REPO, "examples"))
     from guess_number import GuessNumber
@@ -330,7 +330,9 @@ def test_the_demo_game_is_strict_and_its_rows_are_winnable():
     env, secret = GuessNumber(), row["extra_info"]["secret"]
     assert env.reset(row) is None
     steps = [env.step(str(secret - 1)), env.step(f" {secret + 1}\n"), env.step(str(secret + 2)), env.step(str(secret))]
-    assert [m["content"] for step in steps[:3] for m in step.messages] == ["higher", "lower", "lower"]
+    hi, only = row["extra_info"]["hi"], f"{secret} to {secret}"
+    assert [m["content"] for step in steps[:3] for m in step.messages] == [f"higher: {secret} to {hi}",
+                                                                           f"lower: {only}", f"lower: {only}"]
     assert [(s.reward, s.done) for s in steps] == [(0.1, False), (0.1, False), (0.0, False), (1.0, True)]
     assert steps[-1].messages == [] and steps[-1].info["won"] and not steps[2].info["possible"]
     for cheat in [f"{secret} {secret + 1}", f"It is {secret}", "", "1e3"]:
