@@ -110,8 +110,9 @@ agent: $(MODEL) $(AGENT_DATA)
 	OMP_NUM_THREADS=$(THREADS) .venv/bin/accelerate launch --num_processes 1 ppo.py \
 		--config examples/agent_calculator.yaml $(AGENT_ARGS)
 
-# The environment demo: guess a secret number from a range of ten in four guesses, told higher or lower after each
-# (examples/guess_number.py, a stateful environment paying each turn); the keys are in examples/guess_number.yaml.
+# The environment demo: guess a secret number from a range of ten in four guesses, told after each higher or lower and
+# what it can still be (examples/guess_number.py, a stateful environment paying each turn); the keys are in
+# examples/guess_number.yaml.
 # Logs val/env/won: the share of validation games won, greedy.
 ENV_DATA := data/guess_number/train.parquet
 $(ENV_DATA): data.py tools/prepare_data.py | $(STAMP)

@@ -365,10 +365,12 @@ def make_arithmetic_tool(n: int, seed: int) -> list[dict]:
     return rows
 
 
-# ---- the environment demo (make env): guess a secret number from a range of ten, told higher or lower after each
-# guess (examples/guess_number.py). Shown one worked game, SmolLM2-135M-Instruct answers with bare numbers but mostly
-# outside the range it is given (15, 16, 17, 18 for 50 to 59): greedy, it wins 0.115 of 200 games in 4 guesses, 0.07
-# in 3 (measured with vLLM, bf16, before this demo was written). Binary search wins every game in 4.
+# ---- the environment demo (make env): guess a secret number from a range of ten, told after each guess higher or
+# lower and what it can still be (examples/guess_number.py). Shown one worked game, SmolLM2-135M-Instruct's first
+# guess ignores the range it is given (19 or 16 for any range) and it sometimes echoes the answer ("18 to 27"):
+# greedy, it wins 0.035 of 200 games in a scratch vLLM script (0.07 when told only higher or lower) and 0.01 of the
+# validation games through ppo.py. Binary search wins every game in 4, a uniform guess among the numbers it is told
+# 0.76 of them.
 GUESS_SYSTEM = ("Guess my secret number. Reply with one number only. After each guess I say higher or lower, and "
                 "the numbers it can still be.")
 GUESS_SHOT = [{"role": "user", "content": "A number from 1 to 10."}, {"role": "assistant", "content": "5"},
