@@ -243,9 +243,12 @@ class HostedEnvironment:
     counts_tools = False  # its infos are its own (ToolEnvironment's hold the calls, for agent/*)
 
     def __init__(self, spec: str, timeout_s: float):
+        if spec.startswith("verifiers:"):  # the short name of environments_verifiers.py:<target>
+            here = os.path.dirname(os.path.abspath(__file__))
+            spec = os.path.join(here, "environments_verifiers.py") + spec.removeprefix("verifiers")  # …py:<target>
         path, _, name = spec.rpartition(":")
         if not path or not name:
-            raise ConfigError(f"rollout.multi_turn.env: {spec!r} must be path/to/file.py:Class")
+            raise ConfigError(f"rollout.multi_turn.env: {spec!r} must be path/to/file.py:Class or verifiers:<target>")
         if not os.path.isfile(path):
             raise ConfigError(f"rollout.multi_turn.env: file {path} does not exist (in {spec!r})")
         self.target, self.timeout_s, self.keys = {"env": (path, name)}, timeout_s, []

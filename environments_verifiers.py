@@ -4,9 +4,10 @@ library (environments.py's contract: reset(row), step(text)), driven on this lib
     python tools/prepare_data.py --task verifiers:my_env.py --output data/my_env      # its dataset as the prompts
     python ppo.py --config configs.yaml data.train_files=data/my_env/train.parquet \\
         data.val_files=data/my_env/val.parquet rollout.multi_turn.enable=true rollout.multi_turn.max_turns=4 \\
-        rollout.multi_turn.env=environments_verifiers.py:my_env.py                     # or an installed module
+        rollout.multi_turn.env=verifiers:my_env.py                                     # or an installed module
 
-`environments_verifiers.py:<target>` names a verifiers environment: a file path/to/env.py, or an installed module
+`verifiers:<target>` (short for `environments_verifiers.py:<target>`, the class `<target>` of this file, which
+`__getattr__` below makes) names a verifiers environment: a file path/to/env.py, or an installed module
 (as `vf-eval` takes it), whose `load_environment()` returns a SingleTurnEnv, a MultiTurnEnv or another of verifiers'
 own environments. The environment is loaded once, in the worker that hosts the episodes (infra/episodes.py), and
 each episode runs in a process forked from it.

@@ -85,8 +85,9 @@ class MultiTurnConfig:
     """most assistant turns per response; a turn ends at EOS, and the environment answers it before the next"""
     env: str = ""
     """an environment, path/to/file.py:Class (environments.py has the contract: reset(row) gives the first messages,
-    step(text) the next ones, a reward at the turn's last token and done); one instance per sample, each in a
-    process of its own. Empty: the built-in environment that runs `tools`"""
+    step(text) the next ones, a reward at the turn's last token and done), or verifiers:<path/to/env.py or module>,
+    a verifiers environment (environments_verifiers.py); one instance per sample, each in a process of its own.
+    Empty: the built-in environment that runs `tools`"""
     env_timeout_s: float = 30.0
     """seconds an environment's reset or step may take; a slower one, or one that raises or ends its process, ends
     its sample's episode there (counted in agent/env_errors_share), never the run"""

@@ -143,7 +143,7 @@ def test_a_failing_environment_fails_its_episode_and_a_bad_file_fails_in_one_sen
         prepare_data.main(["--task", f"verifiers:{tmp_path}/empty.py", "--output", str(tmp_path / "out")])
 
 
-def run_ppo(model, folder, target, out, turns):
+def run_ppo(model, folder, spec, out, turns):
     cmd = [sys.executable, "ppo.py", "--config", "configs.yaml", f"model.path={model}",
            f"data.train_files={folder}/train.parquet", f"data.val_files={folder}/val.parquet", "rollout.name=hf",
            "rollout.max_response_length=8", "data.max_prompt_length=96", "data.train_batch_size=2", "rollout.n=2",
@@ -151,21 +151,20 @@ def run_ppo(model, folder, target, out, turns):
            "trainer.sample_freq=0", "trainer.plot_curves=false", "trainer.val_before_train=false",
            "trainer.max_kl=0", f"trainer.output_dir={out}", "model.dtype=fp32", "model.lora_rank=8",
            "model.target_modules=q_proj,v_proj", "algorithm.adv_estimator=grpo", "rollout.multi_turn.enable=true",
-           f"rollout.multi_turn.max_turns={turns}", f"rollout.multi_turn.env=environments_verifiers.py:{target}"]
+           f"rollout.multi_turn.max_turns={turns}", f"rollout.multi_turn.env={spec}"]
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.parametrize("name,turns", [("single", 1), ("multi", 4)])
-def test_verifiers_environments_train_two_steps_through_ppo(envs, tmp_path, name, turns):
+@pytest.mark.parametrize("name,turns,spelling", [("single", 1, "verifiers:"),
+                                                  ("multi", 4, "environments_verifiers.py:")])
+def test_verifiers_environments_train_two_steps_through_ppo(envs, tmp_path, name, turns, spelling):
     """ppo.py trains 2 steps on each environment's prompts with its rubric as the reward: every step ran every
     episode without an environment error, the reward is the environment's return (the rule of verifiers/* adds 0)
     and not 0 (each episode the tiny model plays gets answered·0.25, or loses 0.1 a guess), and validation (step 2)
-    ran on the eval dataset."""
-    environments = pytest.importorskip("environments", reason="needs issue 33 item 1's environments.py")
-    if not hasattr(environments, "HostedEnvironment"):
-        pytest.skip("needs rollout.multi_turn.env (issue 33, item 1: environments.HostedEnvironment)")
+    ran on the eval dataset. Each spelling of rollout.multi_turn.env names the environment: verifiers:<target> and
+    the file's own, environments_verifiers.py:<target>."""
     path, folder = envs[name]
-    proc = run_ppo(make_tiny_model(tmp_path / "model"), folder, path, tmp_path / "out", turns)
+    proc = run_ppo(make_tiny_model(tmp_path / "model"), folder, spelling + path, tmp_path / "out", turns)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     lines = read_metrics(tmp_path / "out")
     steps = [line for line in lines if "agent/env_errors_share" in line and line["step"] in (1, 2)]

@@ -11,7 +11,7 @@
 3}'`: its keyword arguments), about --val-size of them in val.parquet, split by question (no val question is in
 train.parquet); the rule reasoning_gym/* scores them with the task's own score_answer (reward_rules/).
 `--task verifiers:<path/to/env.py or module>` writes a verifiers environment's dataset (train) and eval dataset (val),
-for rollout.multi_turn.env=environments_verifiers.py:<the same> (environments_verifiers.py).
+for rollout.multi_turn.env=verifiers:<the same> (environments_verifiers.py).
 
 `--output` is always a folder: train.parquet and val.parquet are written inside it.
 `--input` converts a jsonl file; the kind of row is detected from the first line's keys:
