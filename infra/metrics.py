@@ -9,6 +9,7 @@ import time
 from contextlib import contextmanager
 
 import torch
+from accelerate.utils import gather_object
 
 from infra.config import ConfigError, SaveError
 
@@ -126,13 +127,19 @@ def sum_over_processes(accelerator, x: torch.Tensor) -> torch.Tensor:
 
 
 def reduce_metrics(accelerator, metrics: dict) -> dict:
-    """Each metric (a number, or a list: one value per micro-batch) → its mean over the list and then over
-    processes, or its maximum for *_max keys. Every process must hold the same keys."""
-    is_max = [key.endswith("_max") for key in metrics]
-    local = [(max(v) if m else sum(v) / len(v)) if isinstance(v, list) else v for v, m in zip(metrics.values(), is_max)]
-    values = torch.tensor(local, device=accelerator.device, dtype=torch.float64)
-    means, maxima = accelerator.reduce(values, "mean").tolist(), accelerator.reduce(values, "max").tolist()
-    return {key: hi if m else mean for key, m, mean, hi in zip(metrics, is_max, means, maxima)}
+    """Each metric (a number, or a list: one value per micro-batch) → its mean over the list and then over the
+    processes that hold it, or its maximum for *_max keys. A process may lack a name another holds (a reward's extra
+    number, an environment's info that only some samples give): the names are agreed first, so that every process
+    reduces the same tensor (a differing one is a collective mismatch: gloo aborts, NCCL may hang)."""
+    names = list(dict.fromkeys(name for mine in gather_object([list(metrics)]) for name in mine))  # process order
+    is_max = [name.endswith("_max") for name in names]
+    local = [metrics.get(name, 0.0) for name in names]
+    local = torch.tensor([(max(v) if m else sum(v) / len(v)) if isinstance(v, list) else v
+                          for v, m in zip(local, is_max)], dtype=torch.float64)
+    held = torch.tensor([name in metrics for name in names], dtype=torch.float64)
+    sums, counts = accelerator.reduce(torch.cat([local * held, held]).to(accelerator.device), "sum").chunk(2)
+    maxima = accelerator.reduce(local.masked_fill(held == 0, -math.inf).to(accelerator.device), "max").tolist()
+    return {name: hi if m else mean for name, m, mean, hi in zip(names, is_max, (sums / counts).tolist(), maxima)}
 
 
 @contextmanager

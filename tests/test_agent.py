@@ -570,13 +570,15 @@ HELLO_ENV = '''
 from environments import Step
 
 class Hello:
-    """Asks for hello extra_info["turns"] times, rewarding each turn that says it."""
+    """Asks for hello extra_info["turns"] times, rewarding each turn that says it; a game of more than one turn
+    says so in its info (env/long), a game of one says nothing."""
     def reset(self, row):
         self.left = row["extra_info"]["turns"]
+        self.info = {"long": True} if self.left > 1 else {}
     def step(self, text):
         self.left -= 1
         return Step([{"role": "user", "content": "Say hello."}], reward=float(text.strip() == "hello"),
-                    done=self.left == 0)
+                    done=self.left == 0, info=self.info)
 '''
 
 
@@ -606,6 +608,8 @@ def test_fsdp2_two_processes_stay_in_step_with_episodes_of_different_lengths(age
     assert all(m["agent/env_return_mean"] > 0 for m in train)  # some hellos: the equality is not 0 = 0
     assert train[-1]["val/agent/turns_mean"] == pytest.approx(2.0)
     assert train[-1]["val/score/mean"] == pytest.approx(train[-1]["val/agent/env_return_mean"])
+    # env/long: process 0's games give it, process 1's never do; its mean is over the samples that gave it
+    assert all(m["env/long"] == 1.0 for m in train) and train[-1]["val/env/long"] == 1.0
 
 
 @pytest.fixture
