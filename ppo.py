@@ -510,7 +510,8 @@ def main(cfg: config.Config):
                 print0(rollback)
                 sample.sync_weights(policy, sample.version)  # the next batch comes from best/'s weights
         logger.log({**metrics, "train/rollbacks": state.rollbacks}, step)
-        bar.set_postfix(score=f"{metrics['score/mean']:.3f}", kl=f"{metrics.get('kl/mean', 0):.4f}")
+        bar.set_postfix(score=f"{metrics['score/mean']:.3f}", reward=f"{metrics['reward/mean']:.3f}",  # env turns in it
+                        kl=f"{metrics.get('kl/mean', 0):.4f}")
         print0(f"step {step}  " + console_line(metrics, CONSOLE_KEYS))
         # nothing learnt, no final/: trainer.max_skipped_steps in a row, or every step of a run that ends here
         check_learning(skipped_in_a_row, range(first, step + 1), step == t.total_steps or bool(stop_reason), t,
