@@ -94,7 +94,7 @@ from infra.metrics import (batch_metrics, check_loggers, console_line, reduce_me
 from infra.models import check_model_folders, check_teacher, load_models, load_teacher, policy_tokenizer
 from infra.optim import make_optimizer, StopAtMicroBatch, train_step
 from infra.runs import check_learning, Interrupted, save_checkpoint, start_run, StopSignal
-from infra.train_state import keep_best, resume, save_final, TrainState
+from infra.train_state import best_metric_missing, keep_best, resume, save_final, TrainState
 from infra.trunk import plan_trunk
 from kl import KLController, kl_estimate, kl_penalty_rewards
 from losses import agg_loss, Clip, Counts, mini_batch_counts, POLICY_LOSSES, rejection_mask, rollout_is_weights
@@ -393,6 +393,8 @@ def main(cfg: config.Config):
     if t.val_before_train and val_rows and state.step == 0:
         metrics = validate(cfg, sample.idle(), tokenizer, scorer, val_rows, accelerator)
         print0("validation before training: " + console_line(metrics, sorted(metrics)))
+        if t.best_metric and (missing := best_metric_missing(t.best_metric, metrics)):  # val/env/<key>: misspelt?
+            print0("warning: " + missing)
         logger.log(metrics, 0)
     if signum := stop_signal.received(accelerator):
         raise Interrupted(signum, "during the validation before training; nothing was trained")

@@ -106,13 +106,16 @@ def pass_and_majority(rows: list[dict], scores: list, answers: list, sources: li
 
 # ---- the names validation logs, checked at start-up
 
+ENV_INFO = "val/env/"  # + <key>: a number an environment's step infos give, named only once it runs
+
 
 def logged_names(cfg, sources: set, turn_metrics=()) -> set[str]:
     """Every name that ppo.py's validation can log (validation.py): val/score/mean and val/<data_source>/score for
     the validation data's sources; with rollout.val_n = k > 1 and a score that is one rule's (rewards.one_rule),
     val/pass@j/mean and val/<data_source>/pass@j for j = 1, 2, 4, … and k, and maj@k (logged where the rule gives
     its answers); with any other score, val/rule_score/mean; with rollout.multi_turn, val/<key> for each
-    key of `turn_metrics` (agent.agent_metrics)."""
+    key of `turn_metrics` (agent.agent_metrics). With an environment, also val/env/<key> (ENV_INFO) for the
+    numbers in its infos, which no name here can list."""
     k, rule_alone = cfg.rollout.val_n, one_rule(reward_sources(cfg.reward))
     names = {"val/score/mean"} | {f"val/{src}/score" for src in sources}
     if k > 1 and rule_alone:
@@ -126,6 +129,7 @@ def logged_names(cfg, sources: set, turn_metrics=()) -> set[str]:
     return names
 
 
+
 def check_best_metric(cfg, sources: set, turn_metrics=()) -> None:
     """trainer.best_metric is a name this run's validation logs (logged_names), checked once the validation
     data is read and before any model loads; a misspelt one used to fail at the first validation, with
@@ -134,6 +138,8 @@ def check_best_metric(cfg, sources: set, turn_metrics=()) -> None:
     if not best:
         return
     names = logged_names(cfg, sources, turn_metrics)
+    if cfg.rollout.multi_turn.env and best.startswith(ENV_INFO) and len(best) > len(ENV_INFO):
+        return  # an environment's info: said at each validation that lacks it (train_state.best_metric_missing)
     if best not in names:
         near = difflib.get_close_matches(best, names, n=1, cutoff=0.6)
         shown = sorted(names)[:20] + (["…"] if len(names) > 20 else [])

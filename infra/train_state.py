@@ -7,7 +7,6 @@ from typing import Optional
 import torch
 
 from infra import cli
-from infra.config import ConfigError
 from infra.distributed import full_state_dict, load_training_state, rng_state, set_rng_state
 from infra.metrics import MetricsLogger, plot_curves, wandb_resume_id
 from infra.models import save_pretrained_atomic
@@ -100,17 +99,28 @@ def best_problem(output_dir: str, best: dict) -> Optional[str]:
     return problem
 
 
+def best_metric_missing(best_metric: str, val_metrics: dict) -> Optional[str]:
+    """None where trainer.best_metric is among a validation's metrics, else the sentence saying so. Only an
+    environment's val/env/<key> can be missing (validation.check_best_metric held every other name at start-up):
+    its steps' infos name it, and a validation where no sample's environment gave it keeps no best/."""
+    if best_metric in val_metrics:
+        return None
+    given = sorted(name for name in val_metrics if name.startswith("val/env/"))
+    return (f"trainer.best_metric={best_metric} is not among this validation's metrics: no sample's environment gave "
+            f"it in its infos (they gave {', '.join(given) or 'no numbers'})")
+
+
 def keep_best(accelerator, cfg, val_metrics: dict, state: TrainState, checkpointed: dict) -> Optional[str]:
     """After a validation: best/ saved where trainer.best_metric beats its best so far; with trainer.rollback_tolerance,
     best/ restored where it falls further than that below it (ppo.py, departure 7), at most trainer.max_rollbacks
-    times. Returns the rollback's sentence, or None. The first validation after step 1 is the first candidate: best/
-    holds optimiser states, which do not exist before the first update.
+    times. Returns the rollback's sentence (or why there is none, or why no best/ was kept: best_metric_missing), or
+    None. The first validation after step 1 is the first candidate: best/ holds optimiser states, which do not exist
+    before the first update.
     best/ is checked first (best_problem): a damaged or missing one is said once and never read; the run goes on
     from its own weights, and no rollback is tried again until a better validation writes a new best/."""
     t = cfg.trainer
-    if t.best_metric not in val_metrics:
-        raise ConfigError(f"trainer.best_metric={t.best_metric} is not a validation metric of this run; it logs "
-                          f"{', '.join(sorted(val_metrics))}")
+    if missing := best_metric_missing(t.best_metric, val_metrics):
+        return f"no best/ at step {state.step}: {missing}"
     value, best = val_metrics[t.best_metric], state.best
     if best is None or value > best["value"]:
         state.best = {"step": state.step, "value": value}

@@ -7,6 +7,7 @@ tiny model taught to call the tool (`caller_model`), through HF generate and vLL
 """
 import copy
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -587,7 +588,8 @@ def test_fsdp2_two_processes_stay_in_step_with_episodes_of_different_lengths(age
     """ppo.py with rollout.multi_turn.env on 2 FSDP2 processes (HF generate, a collective): process 0's games last
     3 turns and process 1's 1, so process 1 generates stand-ins while process 0 plays on. The run finishes; the
     turns are the environments' (mean 2, in training and validation), and the reward is the environment's return,
-    its turns' rewards at their tokens (the rows' rule adds 0); validation's score counts them too."""
+    its turns' rewards at their tokens (the rows' rule adds 0); validation's score counts them too. best/ is kept
+    by val/env/long, a number the game's infos give."""
     import data
     (tmp_path / "hello.py").write_text(HELLO_ENV)
     hello = [{"prompt": [{"role": "user", "content": "Say hello."}], "ground_truth": "hello",
@@ -599,7 +601,7 @@ def test_fsdp2_two_processes_stay_in_step_with_episodes_of_different_lengths(age
          *agent_args(agent_workdir, caller_dir, "", out, f"data.train_files={tmp_path}/hello.parquet",
                      f"data.val_files={tmp_path}/hello.parquet", "reward.function=", "rollout.multi_turn.tools=[]",
                      f"rollout.multi_turn.env={tmp_path}/hello.py:Hello", "rollout.multi_turn.max_turns=4",
-                     "rollout.max_response_length=80",
+                     "rollout.max_response_length=80", "trainer.best_metric=val/env/long",
                      "data.shuffle=false", "rollout.temperature=0", "trainer.sample_freq=0")])
     train = [m for m in read_metrics(out) if "score/mean" in m]
     assert len(train) == 2 and all(m["agent/turns_mean"] == pytest.approx(2.0) for m in train)
@@ -610,6 +612,8 @@ def test_fsdp2_two_processes_stay_in_step_with_episodes_of_different_lengths(age
     assert train[-1]["val/score/mean"] == pytest.approx(train[-1]["val/agent/env_return_mean"])
     # env/long: process 0's games give it, process 1's never do; its mean is over the samples that gave it
     assert all(m["env/long"] == 1.0 for m in train) and train[-1]["val/env/long"] == 1.0
+    with open(out / "best" / "state.json") as f:  # trainer.best_metric=val/env/long: an environment's info
+        assert json.load(f)["best"] == {"step": 2, "value": 1.0}
 
 
 @pytest.fixture

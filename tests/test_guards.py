@@ -60,6 +60,23 @@ def test_the_validation_metrics_follow_the_config():
     assert "val/agent/turns_mean" in logged_names(config("rollout.multi_turn.enable=true"), sources, turns)
 
 
+def test_an_environments_info_is_a_best_metric_said_where_a_validation_lacks_it():
+    """val/env/<key> (the numbers an environment's infos give, unknown before it runs) passes start-up's check with
+    rollout.multi_turn.env set, and only then; a validation that lacks it says so, naming those it has."""
+    from infra.train_state import best_metric_missing
+    from validation import check_best_metric
+    env = ("rollout.multi_turn.enable=true", "rollout.multi_turn.env=examples/guess_number.py:GuessNumber")
+    check_best_metric(config(*env, "trainer.best_metric=val/env/won"), {"guess"})
+    for overrides in [env + ("trainer.best_metric=val/env/",), ("rollout.multi_turn.enable=true",
+                                                                 "trainer.best_metric=val/env/won")]:
+        with pytest.raises(ConfigError, match=r"^trainer.best_metric=val/env/(won)? is not a metric this run's"):
+            check_best_metric(config(*overrides), {"guess"})
+    assert best_metric_missing("val/env/won", {"val/score/mean": 0.1, "val/env/won": 0.0}) is None
+    assert best_metric_missing("val/env/wonn", {"val/score/mean": 0.1, "val/env/won": 0.0, "val/env/valid": 1.0}) == (
+        "trainer.best_metric=val/env/wonn is not among this validation's metrics: no sample's environment gave it in "
+        "its infos (they gave val/env/valid, val/env/won)")
+
+
 @pytest.mark.parametrize("overrides, start", [
     (["algorithm.rollout_rs_threshold=0.5"],  # the default lower bound, 1 / 0.5 = 2, lies above the upper one
      "the lower bound 1 / algorithm.rollout_rs_threshold = 2 (rollout_rs_threshold_lower=0) is not below "

@@ -751,6 +751,21 @@ def test_a_rollback_to_a_best_that_resume_would_refuse_is_skipped_once(best_save
     assert torch.equal(layer.weight, at_best)
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_validation_without_the_best_metric_keeps_no_best_and_says_so(best_saved):
+    """Only an environment's val/env/<key> can be missing at a validation (no sample gave it): keep_best writes
+    nothing, rolls nothing back, and returns the sentence ppo.py prints."""
+    from infra.train_state import keep_best
+    keep, state, layer, out = best_saved
+    cfg = cli.load_config(None, ["trainer.best_metric=val/score/mean", "trainer.rollback_tolerance=0.5",
+                                 f"trainer.output_dir={out}", "data.val_files=v.parquet"])
+    state.step = 2
+    sentence = keep_best(OneProcess(), cfg, {"val/env/won": 0.0}, state, {"policy": (layer, None)})
+    assert sentence == ("no best/ at step 2: trainer.best_metric=val/score/mean is not among this validation's metrics: "
+                        "no sample's environment gave it in its infos (they gave val/env/won)")
+    assert state.best == {"step": 1, "value": 1.0} and state.rollbacks == 0
+
+
 @pytest.mark.parametrize("inside", ["step_2/hf", "step_1", "final/merged", "best/hf", "abandoned/x/hf", "step_9.tmp"])
 def test_exports_into_a_runs_own_folders_are_refused(workdir, two_steps, tmp_path, no_model_loads, inside):  # noqa: F811
     """tools/export.py and tools/merge_lora.py with an output folder in a checkpoint, best/, final/ or abandoned/ of
