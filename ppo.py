@@ -3,6 +3,9 @@
     accelerate launch ppo.py --config configs.yaml                          # the demo, CPU or GPU
     accelerate launch ppo.py --config configs.yaml trainer.total_steps=20 algorithm.adv_estimator=grpo
     accelerate launch ppo.py --config recipes/dapo.yaml                     # a recipe: its changes to the defaults
+    accelerate launch ppo.py --config examples/guess_number.yaml            # an environment (make env makes its data)
+    accelerate launch ppo.py --config examples/verifiers_add_one.yaml       # a verifiers environment (data: its header)
+    accelerate launch ppo.py --config examples/reasoning_gym_gcd.yaml       # a reasoning-gym task (data: its header)
     accelerate launch --config_file accelerate_configs/ddp_cpu.yaml --num_processes 2 ppo.py --config configs.yaml
     accelerate launch --config_file accelerate_configs/fsdp2.yaml --num_processes 2 ppo.py --config configs.yaml
     WORLD_SIZE=2 python ppo.py --check --config configs.yaml                # the checks for 2 processes, no model

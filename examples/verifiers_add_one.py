@@ -1,7 +1,7 @@
 """A verifiers SingleTurnEnv (verifiers 0.3.1) to train on as it is, the README's example of the verifiers route:
 "What is i + 1?", its rubric paying the exact answer (weight 1), a short one (0.5) and one turn (0.25). Its rows:
-`python tools/prepare_data.py --task verifiers:examples/verifiers_add_one.py --output data/add_one`; the run is the
-README's command of the verifiers route.
+`python tools/prepare_data.py --task verifiers:examples/verifiers_add_one.py --output data/add_one`; the run:
+`accelerate launch ppo.py --config examples/verifiers_add_one.yaml`.
 """
 import verifiers as vf
 from datasets import Dataset
