@@ -496,8 +496,7 @@ def main(cfg: config.Config):
         metrics = reduce_metrics(accelerator, metrics)
         tokens = accelerator.reduce(torch.tensor(float(sum(tok_lengths)), device=device), "sum").item()
         times["time/step_s"] = time.perf_counter() - t0
-        metrics.update({**times, "perf/tokens_per_s": tokens / times["time/step_s"],
-                        "train/skipped_steps": state.skipped})
+        metrics.update({**times, "perf/tokens_per_s": tokens / times["time/step_s"], "train/skipped_steps": state.skipped})
         skipped_in_a_row = skipped_in_a_row + 1 if state.skipped > skipped_before else 0
         state.step = step
 
