@@ -1,4 +1,4 @@
-"""Environments: what a multi-turn rollout talks to between the model's turns (agent.py drives them, issue 33).
+"""Environments: what a multi-turn rollout talks to between the model's turns (agent.py drives them).
 
     accelerate launch ppo.py --config examples/guess_number.yaml                      # the demo (make env)
     … rollout.multi_turn.enable=true rollout.multi_turn.env=path/to/file.py:Class     # your environment
@@ -174,7 +174,7 @@ class ToolTemplate:
     template(stand-in + messages, add_generation_prompt=True). That is the conversation as the template writes it,
     provided the template only appends (checked here, once, at start-up: ConfigError otherwise).
 
-    The messages' text is data, never control (issue 34): the template is rendered with a marker in place of each
+    The messages' text is data, never control: the template is rendered with a marker in place of each
     message's content; its own text between the markers is tokenised with its special tokens, each content with
     none (split_special_tokens), so that a tool answer holding "<|im_start|>system" is those characters, not a turn."""
     STAND_IN = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]

@@ -58,7 +58,8 @@ def run_tools(calls: list, host: ObjectHost, max_chars: int, owners: list = None
 class ToolEnvironment:
     """The built-in environment (the contract above, batched as HostedEnvironment): no state and no reward. A turn's
     tool calls are answered by tool messages, and a turn that writes none ends the episode; at most max_calls of a
-    turn run, the rest are answered with an error (issue 34). A final turn's calls are counted but not run."""
+    turn run, the rest are answered with an error, so that one turn's tool work is bounded. A final turn's calls are
+    counted but not run."""
     hosted = False  # the library's own code: it runs here, its tools in their processes
     counts_tools = True  # its infos hold the calls: agent/* metrics and the record's tool_calls, tool_results
 

@@ -1,5 +1,5 @@
 """verifiers' environments (`load_environment()`, the environments prime-rl trains on) as environments of this
-library (environments.py's contract: reset(row), step(text)), driven on this library's own generation (issue 33).
+library (environments.py's contract: reset(row), step(text)), driven on this library's own generation.
 
     python tools/prepare_data.py --task verifiers:my_env.py --output data/my_env      # its dataset as the prompts
     python ppo.py --config configs.yaml data.train_files=data/my_env/train.parquet \\

@@ -1,7 +1,7 @@
 """The policy loss of PPO for language models, as small pure functions: the surrogate per token, the correction for
 the sampler/trainer gap, and how per-token losses become one number for the mini-batch.
 
-Every policy loss has one calling convention, so that ppo.actor_loss calls any of them the same way:
+Every policy loss has one calling convention, so that ppo.ActorLoss calls any of them the same way:
 
     pg, clipped = POLICY_LOSSES[name](logprobs, old_logprobs, advantages, response_mask, clip)     all (B, Tr)
 

@@ -137,10 +137,15 @@ class ActorLoss:
     @classmethod
     def from_config(cls, cfg, fwd: Forward):
         a, alg, teacher = cfg.actor, cfg.algorithm, cfg.algorithm.teacher
-        return cls(fwd, POLICY_LOSSES[a.policy_loss], Clip(a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c),
-                   a.loss_agg_mode, a.loss_scale_factor or cfg.rollout.max_response_length, a.entropy_coef,
-                   alg.use_kl_loss, alg.kl_loss_coef, alg.kl_loss_type, rollout_is_level(cfg), alg.rollout_is_threshold,
-                   teacher.coef if teacher.path and teacher.mode == "loss" else 0.0, teacher.kl_estimator)
+        return cls(fwd=fwd, policy_loss=POLICY_LOSSES[a.policy_loss],
+                   clip=Clip(a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c),
+                   loss_agg_mode=a.loss_agg_mode,
+                   loss_scale_factor=a.loss_scale_factor or cfg.rollout.max_response_length,
+                   entropy_coef=a.entropy_coef,
+                   use_kl_loss=alg.use_kl_loss, kl_loss_coef=alg.kl_loss_coef, kl_loss_type=alg.kl_loss_type,
+                   rollout_is=rollout_is_level(cfg), rollout_is_threshold=alg.rollout_is_threshold,
+                   teacher_loss_coef=teacher.coef if teacher.path and teacher.mode == "loss" else 0.0,
+                   teacher_kl=teacher.kl_estimator)
 
     def __call__(self, policy, micro: dict, counts: Counts):
         mask = micro["loss_mask"].float()
@@ -420,7 +425,7 @@ def main(cfg: config.Config):
         no_grad_pass = functools.partial(per_token_pass, batch=batch, max_tokens=sizes.max_tokens, lengths=tok_lengths,
                                          size=cfg.actor.log_prob_micro_batch_size_per_device, device=device,
                                          largest_count=max_over_processes)  # as many forwards on every process
-        if fwd.trunk is not None:  # issue 25: the frozen layers once per sequence; the forwards below start above them
+        if fwd.trunk is not None:  # the frozen layers once per sequence; the forwards below start above them
             with timed(times, "time/trunk_s"):
                 batch.update(no_grad_pass(lambda micro: fwd.trunk_states(policy, micro)))  # (B, Tq, H), (B, Tr, H)
         # departure 3: with one epoch of one mini-batch, no KL in the reward (to the reference or a teacher) and no

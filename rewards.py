@@ -139,7 +139,7 @@ class RewardError(ConfigError):
 def as_score(result, max_abs_score: float = math.inf) -> tuple[float, dict]:
     """(score, extras) from a function's return: a finite number within ±max_abs_score (reward.max_abs_score), or a
     dict whose "score" is one; extras are its other numbers, and its "pred" as text where it has one (verl's DAPO
-    rule: the answer it read, for maj@k). Beyond the bound is an error (issue 32): 1e308 is inf in float32."""
+    rule: the answer it read, for maj@k). Beyond the bound is an error: 1e308 is inf in float32."""
     if isinstance(result, BaseException):  # raised inside an async function, returned by asyncio.gather
         raise result
     extras = {}

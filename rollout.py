@@ -152,7 +152,7 @@ class VLLMRollout:
         distributed = torch.distributed.is_initialized() and "RANK" in os.environ
         self.rank = torch.distributed.get_rank() if distributed else 0
         backend = "external_launcher" if distributed else None
-        if torch.cuda.is_available():  # vLLM's start-up check counts torch's cached, unused blocks as taken (issue 29)
+        if torch.cuda.is_available():  # vLLM's start-up check counts torch's cached, unused blocks as taken
             torch.cuda.empty_cache()
         # In this process vLLM reseeds the global random, numpy and torch generators with trainer.seed.
         self.llm = LLM(model=cfg.model.path, tokenizer=cfg.model.tokenizer_path or cfg.model.path,
@@ -213,7 +213,7 @@ class VLLMRollout:
     def wake_up(self, tags: list) -> None:
         """Wake those of `tags` ("weights", "kv_cache") that sleep. vLLM maps them back into memory the driver has
         free, and blocks torch's caching allocator keeps (the training step's) are not: they are released first, as
-        TRL, verl and OpenRLHF do (issue 22)."""
+        TRL, verl and OpenRLHF do."""
         if todo := [tag for tag in tags if tag in self.asleep]:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
@@ -222,7 +222,7 @@ class VLLMRollout:
 
     def close(self) -> None:
         """Shut the engine down: vLLM destroys its own process groups, then the launcher's (under a launcher), and so
-        does not leave the teardown of NCCL communicators to the interpreter's exit (issue 22)."""
+        does not leave the teardown of NCCL communicators to the interpreter's exit."""
         self.llm.llm_engine.engine_core.shutdown()
 
 

@@ -2,7 +2,7 @@
 run's layout (infra/layouts.py: padded, shared prompt prefix, packed), the fp32 log-softmax / entropy over a long
 vocabulary a chunk of positions at a time (LogprobsEntropy), and the compute dtype (`model.dtype` → autocast).
 
-With a frozen trunk (infra/trunk.py, issue 25) `trunk_states` runs the layers below the adapters once per sequence in
+With a frozen trunk (infra/trunk.py) `trunk_states` runs the layers below the adapters once per sequence in
 the layout (step 4), and every forward here can start from their output instead (`trunk=L`): the same numbers within
 fp32 rounding (tests/test_trunk.py).
 
@@ -35,7 +35,7 @@ def auto_dtype(device_type: str) -> DtypeChoice:
     """bf16 where bf16 matrix products are native: a CUDA GPU with bf16 units (Ampere or later), a CPU with AVX-512
     BF16 or AMX tiles; else fp32. torch.ops.mkldnn._is_mkldnn_bf16_supported() is no guide: it is true on any AVX-512
     CPU, where oneDNN emulates bf16 — a 512×576 by 576×1536 matmul took 36 ms in bf16 and 7.6 ms in fp32 on a Xeon
-    without AVX-512 BF16, and `make run` 3× the fp32 step time (issue 29; bench/bf16_matmul.py)."""
+    without AVX-512 BF16, and `make run` 3× the fp32 step time (bench/bf16_matmul.py)."""
     if device_type == "cuda":
         if torch.cuda.is_bf16_supported(including_emulation=False):
             return DtypeChoice("bf16", "this GPU computes bf16 natively")
@@ -88,7 +88,7 @@ class LogprobsEntropy(torch.autograd.Function):
 
     Only lse and H (N,) are kept beside the logits; backward recomputes p a chunk at a time, and no fp32 (N, V) tensor
     outlives its chunk. Autograd through log_softmax and the entropy formula, recomputed under activation checkpointing
-    to bound memory, cost more than the head's matmul it follows (issue 25; bench/logits_memory.py). Computed in fp32,
+    to bound memory, cost more than the head's matmul it follows (bench/logits_memory.py). Computed in fp32,
     or in the logits' dtype where wider (float64: gradcheck)."""
 
     @staticmethod
@@ -161,7 +161,7 @@ def split_micro(inds, lengths, size: int, max_tokens: int = 0, largest_count=sam
 
     By a budget each process would make its own number of micro-batches from its own lengths, and every forward is
     a round of collectives (FSDP2's all-gathers, DDP's buffer broadcast): a process with fewer would leave the
-    others waiting forever (issue 22). So all make as many as the one that makes most, largest_count(own count)
+    others waiting forever. So all make as many as the one that makes most, largest_count(own count)
     (infra.distributed.max_over_processes, as verl all-reduces it), halving their largest micro-batches to get
     there; every process holds as many rows, so there are enough.
     """

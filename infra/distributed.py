@@ -54,8 +54,8 @@ def visible_gpus() -> list[str]:
 def use_cpu() -> bool:
     """Does this run compute on the CPU? Yes without a GPU; where torch can use CUDA, only when asked (`accelerate
     launch --cpu`). GPUs that nvidia-smi lists but torch cannot use (a CPU build of torch, or a driver older than its
-    CUDA) stop the run here, in one sentence, rather than training every process on the CPU over gloo without a word
-    (issue 22); hiding them (CUDA_VISIBLE_DEVICES="") is how to ask for the CPU on purpose."""
+    CUDA) stop the run here, in one sentence, rather than training every process on the CPU over gloo without a word;
+    hiding them (CUDA_VISIBLE_DEVICES="") is how to ask for the CPU on purpose."""
     if os.environ.get("ACCELERATE_USE_CPU", "false").lower() in ("1", "true", "yes"):
         return True
     if torch.cuda.is_available():
@@ -215,7 +215,7 @@ def _tensors(models: dict) -> dict:
             tensors.update({f"{name}.optim.{k}": v for k, v in state.items() if isinstance(v, torch.Tensor)})
         # A tied weight (Qwen2.5's and SmolLM2's lm_head is their embed_tokens) comes under two names, the second one
         # unfiltered by ignore_frozen_params: safetensors refuses one storage twice (a full fine-tune's first save
-        # failed), and a LoRA run saved its frozen embedding (issue 29, bench/save_time.py). Loading fills both.
+        # failed), and a LoRA run saved its frozen embedding (bench/save_time.py). Loading fills both.
         seen = {where(p) for p in model.parameters() if not p.requires_grad}
         for key, value in tensors.items():
             if where(value) not in seen:
@@ -227,7 +227,7 @@ def _tensors(models: dict) -> dict:
 def rng_state() -> dict:
     """This process's generators: Python's, torch's CPU one and, on a GPU, that of its own device only. Each process
     drives one device; saving every visible device's (get_rng_state_all) made a resume that sees fewer GPUs fail
-    restoring the ones it lacks (issue 22)."""
+    restoring the ones it lacks."""
     state = {"python": random.getstate(), "torch": torch.get_rng_state().tolist()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state().tolist()  # the current device's

@@ -1,6 +1,6 @@
 """Objects of a user's file, each hosted in a process of its own: one environment instance per episode
 (environments.py), one process per tool call. A call that raises, hangs (even holding the GIL), calls os._exit or
-kills its process fails that object only; processes it starts are ended with the run (issues 33 and 34).
+kills its process fails that object only; processes it starts are ended with the run.
 
     host = ObjectHost({"env": ("my_env.py", "Guess")}, 30, check)   # imports the file in a worker; may raise
     keys = host.open("env", 16)                          # 16 instances of Guess, each in a process forked from it

@@ -203,7 +203,7 @@ def varlen_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
                ((query, p["q_index"]), (key, p["k_index"]), (value, p["k_index"])))
     # Grouped-query attention (Hkv < H): each KV head repeated for its H / Hkv query heads, as transformers does
     # whenever it passes a mask. CUDA's flash kernel takes no mask and its memory-efficient one no enable_gqa, so a
-    # mask with enable_gqa=True falls to the math kernel, fp32 (G, H, Wq, Wk) scores in every layer (issue 22).
+    # mask with enable_gqa=True falls to the math kernel, fp32 (G, H, Wq, Wk) scores in every layer.
     if (groups := query.shape[1] // key.shape[1]) > 1:
         k, v = (x.repeat_interleave(groups, dim=1) for x in (k, v))  # (G, H, Wk, D)
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=p["mask"][:, None], dropout_p=dropout,

@@ -208,7 +208,7 @@ def load_critic(path: str, trunk_layers: int = 0, *, trust_remote_code: bool = F
 
 def without_trunk(config, layers: int):
     """The token-classification class of `config`'s model, holding no token embedding and no decoder layer below
-    `layers` (issue 25): the slots hold `Replay` and `NoEmbedding`, without weights.
+    `layers` (the frozen trunk, infra/trunk.py): the slots hold `Replay` and `NoEmbedding`, without weights.
 
     The slots are emptied in __init__, which from_pretrained runs on the meta device before it allocates and loads
     anything: so the trunk's weights (of a 30-layer SmolLM2 with 8 top layers, 4/5 of the model) are never in memory
@@ -360,7 +360,7 @@ def save_pretrained_atomic(model, tokenizer, path: str, state_dict=None, *, over
     `state_dict`: the full weights when the model is sharded (accelerator.get_state_dict)."""
     check_output_folder(path, overwrite, inputs)
     for adapter in getattr(model, "peft_config", {}).values():  # a local base as an absolute path: the adapter
-        if os.path.isdir(adapter.base_model_name_or_path or ""):  # then loads from any directory (issue 13)
+        if os.path.isdir(adapter.base_model_name_or_path or ""):  # then loads from any directory
             adapter.base_model_name_or_path = os.path.abspath(adapter.base_model_name_or_path)
     parent, name = os.path.split(os.path.abspath(path))
     try:

@@ -47,7 +47,7 @@ def gradient_sync(model, enabled: bool):
 
     FSDP2 reduce-scatters every micro-batch's gradients whatever `enabled` says, as verl does: without the sync it
     would hold each parameter's whole unsharded fp32 gradient on every device until the last micro-batch, the
-    model's size in fp32 once more (issue 22). The price is one reduce-scatter per micro-batch instead of per
+    model's size in fp32 once more. The price is one reduce-scatter per micro-batch instead of per
     optimiser step; the averaged shards add up to the same gradient."""
     fsdp2 = any(hasattr(m, "set_requires_gradient_sync") for m in model.modules())
     with model.no_sync() if not (enabled or fsdp2) and hasattr(model, "no_sync") else nullcontext():
@@ -66,7 +66,7 @@ def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
 
 
 class StopAtMicroBatch:
-    """A stop signal acted on at train_step's next micro-batch boundary (issue 29): torchrun kills its workers 30 s
+    """A stop signal acted on at train_step's next micro-batch boundary: torchrun kills its workers 30 s
     after SIGTERM, too soon to finish a real-size step and then save. `received()` (runs.StopSignal.received, a
     collective) is asked before every micro-batch, so all processes stop at the same one; once it has answered, signum
     holds the signal and every later train_step returns at once."""

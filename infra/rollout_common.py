@@ -75,7 +75,7 @@ def eos_ids_of(tokenizer, model_config=None) -> set[int]:
 def policy_weights(model):
     """The policy's weights one at a time, whole, under the plain checkpoint's names: (name, tensor) for an engine.
 
-    Streamed (issue 22): besides the engine's own copy, one gathered weight exists at a time (with LoRA: W, B and A of
+    Streamed: besides the engine's own copy, one gathered weight exists at a time (with LoRA: W, B and A of
     one layer), not the whole model at once. FSDP2 shards each parameter as a DTensor, gathered here as it comes
     (`whole`: a collective, and every process walks the state dict in the same order). With LoRA the policy's weight
     is W + s·B·A, s = α/r (Hu et al., 2021, eq. 3), formed here, so the training model is never merged and unmerged.

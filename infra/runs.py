@@ -83,7 +83,7 @@ def save_checkpoint(accelerator, output_dir: str, step: int, keep: int, models: 
     tmp = final + ".tmp"
 
     def publish():  # rank 0, once every process has written its files
-        if os.path.exists(os.path.join(output_dir, "config.yaml")):  # the settings it was trained with (issue 32)
+        if os.path.exists(os.path.join(output_dir, "config.yaml")):  # how it was trained, beside its weights
             shutil.copyfile(os.path.join(output_dir, "config.yaml"), os.path.join(tmp, "config.yaml"))
         write_manifest(tmp, run_bases(output_dir))
         shutil.rmtree(final, ignore_errors=True)
@@ -305,7 +305,7 @@ def skipped_steps_error(in_a_row: int, step: int, stage: str, output_dir: str, e
 def check_learning(in_a_row: int, steps: range, ending: bool, section, stage: str) -> None:
     """RunError (no final/) once section.max_skipped_steps steps in a row skipped their optimiser step, or when the
     run ends at this step (`ending`) with every one of its `steps` (this run's, this one last) skipped, however few:
-    a run that learnt nothing never exits 0 (issue 32; max_skipped_steps=0 turns off only the first)."""
+    a run that learnt nothing never exits 0 (max_skipped_steps=0 turns off only the first)."""
     if section.max_skipped_steps and in_a_row >= section.max_skipped_steps:
         raise skipped_steps_error(in_a_row, steps[-1], stage, section.output_dir)
     if ending and in_a_row == len(steps):

@@ -1,4 +1,4 @@
-"""One frozen trunk for actor, reference and critic (issue 25): the layers below the adapters, run once a step.
+"""One frozen trunk for actor, reference and critic: the layers below the adapters, run once a step.
 
 With LoRA on the top k of n decoder layers (model.lora_top_layers), layers 0 … L−1 (L = n − k) carry no adapter and
 no gradient, and the actor, the reference (the actor with its adapter disabled) and a critic built on the same base

@@ -11,7 +11,7 @@ built-in rules stay in the training process (they are the library's own code, an
 How a call is bounded: in its worker, a timer (SIGALRM) interrupts a call still running after timeout_s, and an
 `async def` function's calls, run together as verl's reward loop runs them, are each cancelled after timeout_s; a
 call stuck where neither reaches (inside C code) gets no answer, and the parent kills its worker GRACE_S later.
-How a batch is bounded (issue 32): pool.max_concurrency workers run its calls at once (each runs a sync function's
+How a batch is bounded: pool.max_concurrency workers run its calls at once (each runs a sync function's
 calls one at a time; an async function's batch is shared out among them), and once pool.max_timeouts calls have
 timed out the calls not yet started fail unrun, so a function that hangs on every call ends its batch within
 hung_batch_s. A worker that dies or is killed is started again for the calls after it, at most MAX_LOST times a

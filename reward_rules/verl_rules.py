@@ -11,8 +11,8 @@ import re
 
 def is_nan_text(ground_truth) -> bool:
     """Does the ground truth read as NaN ("nan", "-NaN")? It is str(float("nan")), a value that went missing on the
-    way to the parquet file; a rule that let \boxed{nan} match it would reward a policy for learning to say "nan"
-    (issue 24). data.py refuses such rows at start-up; the rules refuse to match them too."""
+    way to the parquet file; a rule that let \boxed{nan} match it would reward a policy for learning to say "nan".
+    data.py refuses such rows at start-up; the rules refuse to match them too."""
     return isinstance(ground_truth, str) and ground_truth.strip().lstrip("+-").lower() == "nan"
 
 
