@@ -100,7 +100,7 @@ rlhf: reward-model $(DATA)
 		reward.sources=model reward.model_path=outputs/reward_model/final reward.normalize=true \
 		trainer.output_dir=outputs/rlhf $(RLHF_ARGS)
 
-# The agent demo: three-digit sums with a calculator tool the model calls between turns (agent.py); the keys are in
+# The agent demo: three-digit sums with a calculator tool the model calls between turns (agents/multi_turn.py); the keys are in
 # examples/agent_calculator.yaml. Logs agent/well_formed_share (samples with a call that could run) and validation.
 AGENT_DATA := data/arithmetic_tool/train.parquet
 $(AGENT_DATA): data.py tools/prepare_data.py | $(STAMP)

@@ -53,7 +53,7 @@ Shapes: B sequences on this process (prompts × n), Tq prompt length, Tr respons
 The batch, a dict of tensors with one row per sequence, filled step by step (micro_batch takes rows of it):
     queries, query_mask          (B, Tq)  2. the prompts, left-padded
     responses, response_mask     (B, Tr)  2. the responses, right-padded; mask 1 = a real token (EOS included)
-    response_attention_mask      (B, Tr)  2. multi-turn (agent.py): 1 on tool answers too, where response_mask is 0
+    response_attention_mask      (B, Tr)  2. multi-turn (agents/multi_turn.py): 1 on tool answers too, where response_mask is 0
     rollout_logprobs             (B, Tr)  2. the sampler's; absent where the rollout has none (rollout.name=hf)
     old_logprobs                 (B, Tr)  4. the policy's before the update; absent under departure 3
     ref_logprobs                 (B, Tr)  4. the reference's; absent without a KL term (reward or loss)
@@ -80,8 +80,7 @@ from accelerate.utils import extract_model_from_parallel as unwrap_model
 from tqdm import tqdm
 
 import advantages
-import agent
-import judge
+from agents import multi_turn as agent
 import kl
 from advantages import COMPARES_SAMPLES, masked_mean, NEEDS_CRITIC
 from critic import explained_variance, value_loss
@@ -102,10 +101,9 @@ from infra.trunk import plan_trunk
 from kl import KLController, kl_estimate, kl_penalty_rewards
 from losses import agg_loss, Clip, Counts, mini_batch_counts, POLICY_LOSSES, rejection_mask, rollout_is_weights
 from data import load_prompts
-from rewards import check_data_sources, rule_needing_truth
+from rewards import check_data_sources, check_reward_inputs, rule_needing_truth, Scorer
 from rollout import check_rollout, make_rollout, rollout_is_level
 from sampling import add_token_rewards, Sampler, shown_samples, step_seed
-from scorers import check_reward_inputs, Scorer
 from validation import check_best_metric, validate
 
 CONSOLE_KEYS = ["score/mean", "reward/mean", "kl/mean", "policy/entropy", "policy/clipfrac", "loss/policy",
@@ -272,9 +270,7 @@ def check_names(cfg) -> None:
                              ("actor.policy_loss", cfg.actor.policy_loss, POLICY_LOSSES),
                              ("algorithm.kl_penalty", cfg.algorithm.kl_penalty, kl.ESTIMATORS),
                              ("algorithm.kl_loss_type", cfg.algorithm.kl_loss_type, kl.ESTIMATORS),
-                             ("algorithm.teacher.kl_estimator", cfg.algorithm.teacher.kl_estimator, kl.ESTIMATORS),
-                             ("rollout.multi_turn.format", cfg.rollout.multi_turn.format, agent.PARSERS),
-                             ("reward.judge.parser", cfg.reward.judge.parser, judge.PARSERS)):
+                             ("algorithm.teacher.kl_estimator", cfg.algorithm.teacher.kl_estimator, kl.ESTIMATORS)):
         if name not in table:
             raise ConfigError(f"{key}={name!r} is not one of {', '.join(table)}")
     if cfg.algorithm.adv_estimator in COMPARES_SAMPLES and cfg.rollout.n < 2:

@@ -1,5 +1,5 @@
 """Reward model: a Bradley–Terry scorer trained on preference pairs (its network, RewardModel, and the scorer PPO
-calls, RewardModelScorer, are in scorers.py: PPO never imports this training script).
+calls, RewardModelScorer, are in scorers/model.py: PPO never imports this training script).
 
     python tools/prepare_data.py --task arithmetic-preferences --output data/preferences   # the demo pairs
     accelerate launch reward_model.py --config configs.yaml                      # the demo, CPU or GPU
@@ -54,10 +54,10 @@ from infra.models import check_model_path, load_reward_classifier, load_tokenize
 from infra.optim import make_optimizer, restore_schedule, train_step
 from infra.runs import resume_or_start, save_checkpoint, skipped_steps_error, start_run, StopSignal
 from rollout import right_pad
-from scorers import RewardModel
+from scorers.model import RewardModel
 
 # ---------------------------------------------------------------------------------------
-# The loss (the network, RewardModel, is scorers.py's)
+# The loss (the network, RewardModel, is scorers/model.py's)
 
 def bradley_terry_loss(r_chosen, r_rejected, margin, center_coef: float):
     """L = −log σ(r_c − r_r − m) + η·(r_c + r_r)²   per pair, (B,) → (B,)

@@ -15,7 +15,7 @@ is an error for its sample (reward/errors), never the end of the run; so is a sc
 [c_1, …], the character offsets in solution_str where each step ends: r_k then lands on the response token whose text
 holds character c_k − 1 (step_token_rewards), as a process reward model's would.
 
-What every scorer returns (scorers.py holds the scorers, each one line of scorers.SCORERS) is a `Scores`.
+What every scorer returns (each scorer is one line of SCORERS, below) is a `Scores`.
 """
 import asyncio
 import inspect
@@ -29,7 +29,8 @@ from typing import Callable, Optional
 import torch
 from accelerate.utils import gather_object
 
-from infra.config import ConfigError
+from infra.batches import autocast_dtype
+from infra.config import ConfigError, load_target
 from infra.runs import Interrupted
 from infra.worker import CallFailed, FunctionWorker, Pool, WorkerStartError
 from reward_rules import reasoning_gym_rules, verl_prime_math, verl_rules
@@ -39,8 +40,8 @@ from reward_rules.library import arithmetic_score, boxed_score, gsm8k_score
 # ---- dispatch by data_source, as verl's default_compute_score
 def environment_score(solution_str: str, ground_truth: str) -> float:
     """data_source "environment": rows an environment scores alone with its turns' rewards (rollout.multi_turn.env,
-    environments.py), which the Sampler adds at their tokens; verifiers/<env> (its rubric, paid by the environment
-    at the last turn: environments_verifiers.py) too; the rule adds 0."""
+    agents/environments.py), which the Sampler adds at their tokens; verifiers/<env> (its rubric, paid by the environment
+    at the last turn: agents/verifiers.py) too; the rule adds 0."""
     return 0.0
 
 
@@ -192,7 +193,7 @@ def score_responses(compute_score, rows: list[dict], responses: list[str],
         raise ValueError(f"score_responses got {len(rows)} rows but {len(responses)} responses")
     # extra_info gets what verl's reward loop adds (reward_loop/reward_manager/naive.py): num_turns, counted as its
     # agent loops count (the prompt, each assistant turn, each round of tool answers: 2 for a prompt and one
-    # response), and rollout_reward_scores = {} (no rollout-time scores here); from a multi-turn rollout (agent.py)
+    # response), and rollout_reward_scores = {} (no rollout-time scores here); from a multi-turn rollout (agents/multi_turn.py)
     # also the turns (the messages after the prompt), the tool_calls and their tool_results
     calls = [dict(data_source=row["data_source"], solution_str=response, ground_truth=row["ground_truth"],
                   extra_info={**(row.get("extra_info") or {}), **(row.get("conversation") or {"num_turns": 2}),
@@ -245,7 +246,7 @@ def score_on_every_process(score: Callable, accelerator):
 
 @dataclass
 class Scores:
-    """A scorer's answer for a batch of B responses (scorers.SCORERS' calling convention: scorer(rows, texts, ro)).
+    """A scorer's answer for a batch of B responses (SCORERS' calling convention: scorer(rows, texts, ro)).
     The Sampler puts extras and token_rewards into rollout.Samples; ppo.py's step 5 adds token_rewards to the score
     at the last token (kl.kl_penalty_rewards)."""
     scores: torch.Tensor  # (B,) float32, one number per response
@@ -363,7 +364,7 @@ def read_steps(result) -> Optional[list]:
 
 def decode_responses(tokenizer, ro) -> list[str]:
     """The text each response of a rollout.Rollout is scored on: its tokens, or with multi-turn its last assistant
-    turn (agent.py)."""
+    turn (agents/multi_turn.py)."""
     if ro.conversations is not None:
         return [c["turns"][-1]["content"] for c in ro.conversations]
     return tokenizer.batch_decode([r[m.bool()].tolist() for r, m in zip(ro.responses, ro.response_mask)],
@@ -382,3 +383,154 @@ def overlong_reward(lengths, max_length: int, buffer_len: int, factor: float):
     """
     exceed = lengths.float() - (max_length - buffer_len)
     return (-exceed / buffer_len * factor).clamp(max=0.0)
+
+
+# ---------------------------------------------------------------------------------------
+# Step 3's scorers: each one line of SCORERS, built as SCORERS[name](cfg_reward, setup), called as
+# scorer(rows, texts, ro) → Scores; reward.sources names those a run adds up, with reward.weights (Scorer)
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What a scorer may need from the run, bound once."""
+    device: torch.device  # where a reward model runs
+    dtype: Optional[torch.dtype]  # its autocast dtype (None: fp32)
+    tokenizer: object = None  # the policy's: it maps a function's step rewards to tokens; None: texts only
+    trust_remote_code: bool = False  # model.trust_remote_code, for the reward model's folder
+    stop: object = None  # runs.StopSignal, which a hung reward.function call holds up ≤ reward.timeout_s
+
+
+# ---------------------------------------------------------------------------------------
+# Rules and functions
+
+
+def rule_scores(scores: list, extras: dict, errors: int) -> Scores:
+    """score_responses' answer as Scores: reward/errors, reward/<key> for each number the rule returned beside its
+    score, and per sample the answer it read ("pred", verl's DAPO rule; maj@k reads it) where every sample has one."""
+    preds = extras.get("pred", [])
+    metrics = {"reward/errors": float(errors), **{f"reward/{key}": sum(values) / len(values)
+                                                  for key, values in extras.items() if values and key != "pred"}}
+    per_sample = [{"pred": p} for p in preds] if len(preds) == len(scores) else None
+    return Scores(torch.tensor(scores, dtype=torch.float32), extras=per_sample, metrics=metrics)
+
+
+def reward_function(cfg_reward, stop=None):
+    """reward.function in reward.max_concurrency worker processes, each call bounded by reward.timeout_s and a batch by
+    reward.max_timeouts timed-out calls (load_reward_function); the built-in rules where it is unset."""
+    pool = Pool(cfg_reward.max_concurrency, cfg_reward.max_timeouts)
+    return load_reward_function(cfg_reward.function, cfg_reward.timeout_s, stop, pool)
+
+
+class RuleScorer:
+    """The built-in rules by data_source (default_compute_score), in this process."""
+
+    def __init__(self, cfg_reward, setup: Setup):
+        self.fn, self.max_abs_score = default_compute_score, cfg_reward.max_abs_score
+
+    def __call__(self, rows: list[dict], texts: list[str], ro=None) -> Scores:
+        return rule_scores(*score_responses(self.fn, rows, texts, self.max_abs_score))
+
+
+class FunctionScorer:
+    """reward.function in its worker process (load_reward_function), and the step rewards it returns
+    ("step_rewards", "step_ends": read_steps) as token rewards at the tokens that end the steps."""
+
+    def __init__(self, cfg_reward, setup: Setup):
+        self.worker = reward_function(cfg_reward, setup.stop)
+        self.tokenizer, self.results, self.max_abs_score = setup.tokenizer, [], cfg_reward.max_abs_score
+        call_all = self.worker.call_all
+
+        def keeping(calls):  # score_responses reads each result's score and numbers; the step rewards are read here
+            self.results = call_all(calls)
+            return self.results
+        self.worker.call_all = keeping
+
+    def __call__(self, rows: list[dict], texts: list[str], ro=None) -> Scores:
+        scores = rule_scores(*score_responses(self.worker, rows, texts, self.max_abs_score))
+        if ro is None or self.tokenizer is None:
+            return scores
+        steps, bad = [], 0
+        for result in self.results:
+            try:
+                steps.append(read_steps(result))
+            except ValueError:
+                steps.append(None)
+                bad += 1
+        scores.token_rewards = step_token_rewards(self.tokenizer, ro, steps)  # (B, Tr)
+        scores.metrics.update({"reward/step_errors": float(bad),
+                               "reward/step_samples": float(sum(s is not None for s in steps))})
+        return scores
+
+
+
+# ---------------------------------------------------------------------------------------
+# The table, the checks at start-up, and the weighted sum of a run's sources
+
+# reward.sources' names → scorer, built as SCORERS[name](cfg_reward, setup), called as scorer(rows, texts, ro)
+# (a feature folder's scorer as "module:name", imported only by a run that names it)
+SCORERS = {"rule": RuleScorer, "function": FunctionScorer, "model": "scorers.model:RewardModelScorer.from_config",
+           "judge": "scorers.judge:JudgeScorer", "remote": "scorers.judge:RemoteScorer"}
+
+
+def check_function_source(cfg_reward, trust_remote_code: bool) -> None:
+    """The function imports (once, in a worker, which then stops)."""
+    load_reward_function(cfg_reward.function, cfg_reward.timeout_s).close()
+
+
+# a source's check before any model loads (cfg_reward, trust_remote_code), where it has one
+CHECKS = {"model": "scorers.model:check_model_source", "judge": "scorers.judge:check_judge_source",
+          "remote": "scorers.judge:check_remote_source"}
+
+
+def check_reward_inputs(cfg_reward, trust_remote_code: bool = False) -> None:
+    """Before any model loads: reward.sources and reward.weights agree and name scorers, reward.function imports,
+    and each source's inputs are there (CHECKS)."""
+    for name, _ in reward_sources(cfg_reward):
+        if name not in SCORERS:
+            raise ConfigError(f"reward.sources: {name!r} is not one of {', '.join(SCORERS)}")
+    if cfg_reward.function:
+        check_function_source(cfg_reward, trust_remote_code)
+    for name, _ in reward_sources(cfg_reward):
+        if name in CHECKS:
+            load_target(CHECKS[name])(cfg_reward, trust_remote_code)
+
+
+class Scorer:
+    """The task score of each response: Σ_s w_s · score_s over the run's reward.sources s with their reward.weights
+    (token rewards weighted alike), each source's mean logged as reward/<source>/mean."""
+
+    def __init__(self, cfg_reward, device, dtype, *, tokenizer=None, trust_remote_code: bool = False, stop=None):
+        """`tokenizer`: the policy's (step rewards land on its tokens; None: texts only); `trust_remote_code`:
+        model.trust_remote_code, for the reward model's folder; `stop`: runs.StopSignal."""
+        self.sources = reward_sources(cfg_reward)  # [(name, weight)]
+        setup = Setup(torch.device(device), dtype, tokenizer, trust_remote_code, stop)
+        self.scorers = {name: load_target(SCORERS[name])(cfg_reward, setup) for name, _ in self.sources}
+        # the score is one rule's at weight 1: pass@k and maj@k read it; else validation also logs the task's rule on
+        # the same answers (val/rule_score/mean: does what a reward model, judge or server likes score?), which is
+        # reward.function where it is set (its worker shared), else the built-ins
+        self.is_rule = one_rule(self.sources)
+        self.custom_rule = bool(cfg_reward.function)  # the task's rule is reward.function, which scores every row
+        self.task_rule = None if self.is_rule else (
+            self.scorers["function"].worker if "function" in self.scorers else reward_function(cfg_reward, stop))
+        self.max_abs_score = cfg_reward.max_abs_score
+
+    @classmethod
+    def from_config(cls, cfg, device, tokenizer, stop):
+        """ppo.py's: cfg.reward's sources, a reward model under model.dtype's autocast."""
+        return cls(cfg.reward, device, autocast_dtype(cfg.model.dtype), tokenizer=tokenizer,
+                   trust_remote_code=cfg.model.trust_remote_code, stop=stop)
+
+    def __call__(self, rows: list[dict], texts: list[str], ro=None) -> Scores:
+        total, token_rewards, metrics = torch.zeros(len(texts)), None, {}  # (B,)
+        extras = [{} for _ in texts]
+        for name, weight in self.sources:
+            got = self.scorers[name](rows, texts, ro)
+            total += weight * got.scores.float().cpu()
+            if got.token_rewards is not None:
+                token_rewards = weight * got.token_rewards + (0 if token_rewards is None else token_rewards)  # (B, Tr)
+            for mine, theirs in zip(extras, got.extras):
+                mine.update(theirs)
+            for key, value in got.metrics.items():  # two sources' errors add up
+                metrics[key] = metrics.get(key, 0.0) + value if key.endswith("errors") else value
+            metrics[f"reward/{name}/mean"] = got.scores.float().mean().item()
+        return Scores(total, token_rewards, extras, metrics)

@@ -13,13 +13,13 @@ Each returns the same `Rollout`, row `i·n + j` holding sample j of prompt i:
                               infra.models.load_tokenizer, which makes EOS the pad where there is none)
     response_mask  (B·n, Tr)  1 = a real response token (the EOS included), 0 = padding
     logprobs       (B·n, Tr)  the sampler's log-probabilities, or None where the backend has none
-and, from multi-turn rollouts (agent.py, which wraps any backend), an attention mask (1 on the tool answers too,
+and, from multi-turn rollouts (agents/multi_turn.py, which wraps any backend), an attention mask (1 on the tool answers too,
 where response_mask is 0), each sample's conversation and agent/* metrics.
 
 `ppo.py` calls `make_rollout(...)` once, then `generate(...)` every step (through sampling.Sampler) and
 `sync_weights(...)` after every step that changed the policy, and `close()` at the end. vLLM is imported only when its
 backend is made (it is optional, and its environment must be set first: make_rollout). The server backend's process,
-requests and weight pushes are rollout_server.py's.
+requests and weight pushes are rollout_kinds/server.py's.
 """
 import importlib.util
 import logging
@@ -30,11 +30,10 @@ from typing import Optional
 import torch
 
 from infra.batches import autocast_dtype
-from infra.config import ConfigError
+from infra.config import ConfigError, load_target
 from infra.distributed import max_over_processes
-from infra.rollout_common import (cut_at_eos, cut_off, eos_ids_of, left_pad, policy_weights,  # noqa: F401 (the
-                                  prompt_seeds, right_pad, Rollout)  # protocol's record and rows, read from here too)
-from rollout_server import kv_cache_bytes, ServerRollout
+from infra.rollout_common import (cut_at_eos, cut_off, eos_ids_of, kv_cache_bytes, left_pad,  # noqa: F401 (the
+                                  policy_weights, prompt_seeds, right_pad, Rollout)  # protocol's record and rows, read from here too)
 
 
 class HFRollout:
@@ -57,7 +56,7 @@ class HFRollout:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int, temperature: float, seed: Optional[int] = None,
                  max_tokens: Optional[list[int]] = None) -> Rollout:
-        """max_tokens: each prompt's budget (agent.py's later turns); rollout.max_response_length when None."""
+        """max_tokens: each prompt's budget (agents/multi_turn.py's later turns); rollout.max_response_length when None."""
         cfg, device = self.cfg, self.device
         seqs = [p for p in prompts for _ in range(n)]
         budgets = [b for b in max_tokens or [cfg.max_response_length] * len(prompts) for _ in range(n)]  # per row
@@ -167,7 +166,7 @@ class VLLMRollout:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int, temperature: float, seed: Optional[int] = None,
                  max_tokens: Optional[list[int]] = None) -> Rollout:
-        """max_tokens: each prompt's budget (agent.py's later turns); rollout.max_response_length when None."""
+        """max_tokens: each prompt's budget (agents/multi_turn.py's later turns); rollout.max_response_length when None."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -227,7 +226,7 @@ class VLLMRollout:
 
 
 # rollout.name → its backend; gives_logprobs and runs_apart decide the start-up checks (check_rollout)
-KINDS = {"hf": HFRollout, "vllm": VLLMRollout, "server": ServerRollout}
+KINDS = {"hf": HFRollout, "vllm": VLLMRollout, "server": "rollout_kinds.server:ServerRollout"}
 
 
 def check_rollout(cfg) -> None:
@@ -236,7 +235,7 @@ def check_rollout(cfg) -> None:
     ro, alg = cfg.rollout, cfg.algorithm
     if ro.name not in KINDS:
         raise ConfigError(f"rollout.name={ro.name!r} is not one of {', '.join(KINDS)}")
-    kind, missing = KINDS[ro.name], ro.name == "vllm" and importlib.util.find_spec("vllm") is None
+    kind, missing = load_target(KINDS[ro.name]), ro.name == "vllm" and importlib.util.find_spec("vllm") is None
     asked = [f"algorithm.{key}={getattr(alg, key)}" for key in ("rollout_is", "rollout_rs")
              if getattr(alg, key) not in ("off", "auto")]
     if ro.steps_ahead and not kind.runs_apart:
@@ -287,4 +286,4 @@ def make_rollout(cfg, model, tokenizer, accelerator, autocast_dtype=None, synced
     if name == "hf":  # synced_forwards (FSDP2): every process runs as many forwards as the one with the longest response
         return HFRollout(accelerator.unwrap_model(model), tokenizer, cfg.rollout, autocast_dtype,
                          synced_gpus=synced_forwards, device=accelerator.device)
-    return KINDS[name](cfg, model, tokenizer, accelerator)  # every other kind: the common constructor
+    return load_target(KINDS[name])(cfg, model, tokenizer, accelerator)  # every other kind: the common constructor

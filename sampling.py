@@ -1,4 +1,4 @@
-"""Steps 1–3 of ppo.py: prompts in the data order → n responses each (rollout.py, agent.py) → scores (rewards.py),
+"""Steps 1–3 of ppo.py: prompts in the data order → n responses each (rollout.py, agents/multi_turn.py) → scores (rewards.py),
 the score shaped for length, and DAPO's dynamic sampling over rounds of that (ppo.py's departure 6); with
 rollout.steps_ahead = k, each step's generation k steps early, in a background thread (departure 8).
 
@@ -16,14 +16,14 @@ from typing import Optional
 import torch
 from accelerate import Accelerator
 
-import agent
+from agents import multi_turn as agent
 from advantages import varied_groups
 from infra import config
 from infra.config import ConfigError
 from infra.metrics import timed
 from rewards import decode_responses, overlong_reward, score_on_every_process
 from rollout import cut_off, left_pad, Rollout
-from scorers import Scorer
+from rewards import Scorer
 
 
 @dataclass

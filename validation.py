@@ -1,4 +1,4 @@
-"""Validation: rollout.val_n responses per validation prompt, scored as training scores them (scorers.Scorer), and
+"""Validation: rollout.val_n responses per validation prompt, scored as training scores them (rewards.Scorer), and
 what k samples of a prompt tell: mean@k, unbiased pass@k and maj@k per data_source, and beside a reward model, judge
 or reward server the task's rule on the same answers (val/rule_score/mean), so that reward hacking shows.
 
@@ -13,7 +13,7 @@ from collections import Counter
 
 import torch
 
-from agent import generate_for, with_conversations
+from agents.multi_turn import generate_for, with_conversations
 from infra.config import ConfigError
 from infra.metrics import reduce_metrics, sum_over_processes
 from rewards import decode_responses, one_rule, reward_sources, rule_for, score_on_every_process, score_responses

@@ -1,6 +1,6 @@
 """The environment of the environment demo (make env): guess a secret whole number from a range of ten, told higher
 or lower after each guess, and the numbers it can still be. A whole file of what adding an environment takes
-(environments.py has the contract).
+(agents/environments.py has the contract).
 
     python tools/prepare_data.py --task guess-number --output data/guess_number     # rows: the range, the secret
     accelerate launch ppo.py --config examples/guess_number.yaml
@@ -12,7 +12,7 @@ unrewarded (a reply that lists several numbers wins nothing). info["won"] is log
 """
 import re
 
-from environments import Step
+from agents.environments import Step
 
 CONSISTENT = 0.1  # a guess the answers so far allow; four of them pay less than one win
 

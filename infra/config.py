@@ -6,6 +6,8 @@ comment); cli.py reads a YAML file and dotted overrides into them and checks eve
 algorithm's sections (algorithm, actor, critic, their optimisers, reward) are infra/config_rl.py's; the checks that
 need more than one key (batch sizes, settings that only work together) are infra/checks.py's.
 """
+import functools
+import importlib
 import re
 from dataclasses import dataclass, field
 from typing import Literal, Optional
@@ -79,14 +81,14 @@ class DataConfig:
 @dataclass
 class MultiTurnConfig:
     enable: bool = False
-    """multi-turn rollouts (agent.py): a response is up to max_turns assistant turns, with the messages of an
+    """multi-turn rollouts (agents/multi_turn.py): a response is up to max_turns assistant turns, with the messages of an
     environment (env) or the answers of the tools the model called (tools) between them (response_mask 0 there)"""
     max_turns: int = 2
     """most assistant turns per response; a turn ends at EOS, and the environment answers it before the next"""
     env: str = ""
-    """an environment, path/to/file.py:Class (environments.py has the contract: reset(row) gives the first messages,
+    """an environment, path/to/file.py:Class (agents/environments.py has the contract: reset(row) gives the first messages,
     step(text) the next ones, a reward at the turn's last token and done), or verifiers:<path/to/env.py or module>,
-    a verifiers environment (environments_verifiers.py); one instance per sample, each in a process of its own.
+    a verifiers environment (agents/verifiers.py); one instance per sample, each in a process of its own.
     Empty: the built-in environment that runs `tools`"""
     env_timeout_s: float = 30.0
     """seconds an environment's reset or step may take; a slower one, or one that raises or ends its process, ends
@@ -170,7 +172,7 @@ class RolloutConfig:
     vllm_log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "WARNING"
     """vLLM's own logging (INFO prints its engine set-up); the environment's VLLM_LOGGING_LEVEL wins when set"""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
-    """tool calls between assistant turns (agent.py)"""
+    """tool calls between assistant turns (agents/multi_turn.py)"""
     server: ServerConfig = field(default_factory=ServerConfig)
     """rollout.name=server: the vLLM server process"""
 
@@ -356,3 +358,12 @@ FIXED_ON_RESUME = {"model.path", "model.tokenizer_path", "model.lora_rank", "mod
                    "algorithm.adv_estimator", "critic.model_path", "reward_model.model_path",
                    "reward_model.tokenizer_path", "reward_model.lora_rank", "reward_model.lora_alpha",
                    "reward_model.target_modules", "reward_model.lora_top_layers", "reward_model.batch_size"}
+
+
+def load_target(target):
+    """A table's entry: itself, or for "package.module:Name[.attr]" that object, its module imported now. How a
+    stage's table line names what a feature folder holds, so that a run that does not select it never imports it."""
+    if not isinstance(target, str):
+        return target
+    module, _, name = target.partition(":")
+    return functools.reduce(getattr, name.split("."), importlib.import_module(module))

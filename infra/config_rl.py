@@ -226,7 +226,7 @@ class RemoteRewardConfig(RequestFields):
 @dataclass
 class RewardConfig:
     sources: Optional[list[str]] = None
-    """the scorers whose weighted scores add up to the task score, names in scorers.SCORERS: rule (the built-in
+    """the scorers whose weighted scores add up to the task score, names in rewards.SCORERS: rule (the built-in
     rules by data_source), function (reward.function), model (a reward model), judge (an LLM judge), remote (a reward
     server); null = [function] when reward.function is set, else [rule]"""
     weights: list[float] = field(default_factory=list)

@@ -29,7 +29,7 @@ def batch_layout(cfg_model, sharded: bool) -> str:
 
 
 def response_tokens(mb: dict):
-    """(B, Tr) 1 on every response token a forward attends to: with multi-turn rollouts (agent.py) the model's
+    """(B, Tr) 1 on every response token a forward attends to: with multi-turn rollouts (agents/multi_turn.py) the model's
     turns and the tool answers between them (`response_attention_mask`), else the response_mask's tokens. The
     losses still read response_mask, 0 on tool answers."""
     return mb.get("response_attention_mask", mb["response_mask"])

@@ -1,4 +1,4 @@
-"""What every rollout backend shares (rollout.py's kinds, rollout_server.py's, agent.py's loop): the Rollout record
+"""What every rollout backend shares (rollout.py's kinds, rollout_kinds/server.py's, agents/multi_turn.py's loop): the Rollout record
 they return, padded token rows, where a response ends, each prompt's sampling seed, and the policy's weights streamed
 whole for an engine or a server to load."""
 import random
@@ -17,12 +17,12 @@ class Rollout:
     logprobs: Optional[torch.Tensor] = None  # (B·n, Tr)
     attention_mask: Optional[torch.Tensor] = None  # (B·n, Tr) 1 = any real token, tool answers included; None: as
     #                                                response_mask (one turn)
-    conversations: Optional[list[dict]] = None  # per row: turns, tool_calls, tool_results, num_turns (agent.py)
-    metrics: dict = field(default_factory=dict)  # agent/* (agent.py)
+    conversations: Optional[list[dict]] = None  # per row: turns, tool_calls, tool_results, num_turns (agents/multi_turn.py)
+    metrics: dict = field(default_factory=dict)  # agent/* (agents/multi_turn.py)
     token_rewards: Optional[torch.Tensor] = None  # (B·n, Tr) an environment's reward of each turn at its last token
-    #                                               (agent.py), added to the scorers' (sampling.py); None: none
+    #                                               (agents/multi_turn.py), added to the scorers' (sampling.py); None: none
     prompts: Optional[list[list[int]]] = None  # (B·n,) the prompt ids each row began from, where an environment
-    #                                            wrote its own first messages (agent.py); None: the rows' own
+    #                                            wrote its own first messages (agents/multi_turn.py); None: the rows' own
 
 
 def right_pad(seqs: list[list], pad, dtype=torch.long) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,6 +70,13 @@ def eos_ids_of(tokenizer, model_config=None) -> set[int]:
     eos = getattr(getattr(model_config, "generation_config", None), "eos_token_id", None)
     ids |= set(eos if isinstance(eos, list) else [eos])
     return {i for i in ids if i is not None}
+
+
+def kv_cache_bytes(config, tokens: int, dtype: torch.dtype) -> int:
+    """Bytes of keys and values for `tokens` positions: 2 · layers · kv_heads · head_dim · itemsize each."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * dtype.itemsize * tokens
 
 
 def policy_weights(model):

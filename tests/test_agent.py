@@ -1,4 +1,4 @@
-"""Multi-turn rollouts (agent.py): tool calls parsed, tools run, their answers written through the chat template with
+"""Multi-turn rollouts (agents/multi_turn.py): tool calls parsed, tools run, their answers written through the chat template with
 response_mask 0, the sampler's logprobs agreeing with the trainer's on every model token, and ppo.py end to end,
 on 1 process and on 2 (FSDP2, where every process must run the same number of generate calls).
 
@@ -71,7 +71,7 @@ def question(a, b):
 def test_hermes_calls_are_read_and_malformed_ones_say_why():
     """<tool_call> JSON with name and arguments (an object, or a JSON string of one) is a call; bad JSON, a missing
     key, an unknown tool and an unclosed tag each give a call with an error, in the order written."""
-    from agent import parse_hermes
+    from agents.multi_turn import parse_hermes
     names = {"add", "shout"}
     text = ('<tool_call>{"name": "shout", "arguments": {"word": "hi"}}</tool_call> and '
             '<tool_call>{"name": "add", "arguments": "{\\"text\\": \\"1+2\\"}"}</tool_call>')
@@ -88,7 +88,7 @@ def test_hermes_calls_are_read_and_malformed_ones_say_why():
 def test_tag_calls_are_read_in_order_and_unclosed_ones_say_why():
     """<name>text</name> for a known tool is a call with the stripped text; other tags are text; calls keep the
     order they were written in; an opening tag never closed is a call with an error."""
-    from agent import parse_tag
+    from agents.multi_turn import parse_tag
     calls = parse_tag("<shout> hi </shout> then <b>x</b> <add>1+2</add> <add>3+", {"add", "shout"})
     assert [(c.name, c.arguments, c.error is None) for c in calls] == [("shout", "hi", True), ("add", "1+2", True),
                                                                        ("add", "3+", False)]
@@ -103,9 +103,9 @@ def test_tag_calls_are_read_in_order_and_unclosed_ones_say_why():
 def test_tools_answer_fail_time_out_and_are_cut(tools_file):
     """A tool's return value as text; a raising tool, a malformed call and a tool slower than the timeout answer
     an error (the slow one without holding up the rest); a long answer is cut and marked."""
-    from agent import ToolCall
-    from environments_tools import run_tools, tool_targets
-    from infra.episodes import ObjectHost
+    from agents.multi_turn import ToolCall
+    from agents.tools import run_tools, tool_targets
+    from agents.episodes import ObjectHost
     host = ObjectHost(tool_targets([f"{tools_file}:add", f"{tools_file}:slow", f"{tools_file}:shout"]), 0.5)
     calls = [ToolCall("add", "2+3"), ToolCall("add", "x+1"), ToolCall("slow", ""), ToolCall("?", "{", "bad JSON"),
              ToolCall("shout", {"word": "ab", "times": 40})]
@@ -129,8 +129,8 @@ def test_tools_answer_fail_time_out_and_are_cut(tools_file):
     ("add", "rollout.multi_turn.tools: 'add' must be path/to/file.py:function"),
 ])
 def test_a_bad_tool_spec_is_one_sentence_naming_the_key(tools_file, tmp_path, spec, sentence):
-    from agent import PARSERS
-    from environments_tools import ToolEnvironment
+    from agents.multi_turn import PARSERS
+    from agents.tools import ToolEnvironment
     with pytest.raises(ConfigError) as e:
         ToolEnvironment([spec.format(tmp=tmp_path, tools=tools_file)], PARSERS["tag"], 1.0, 64, 8)
     assert sentence.format(tmp=tmp_path, tools=tools_file) in str(e.value)
@@ -199,7 +199,7 @@ def hermes_script(context: str, j: int) -> str:
     return context.rsplit("<|im_start|>tool\n", 1)[1].split("<|im_end|>")[0].split()[0]
 
 
-# name → (format, tools, script, max_turns, max_length, questions, n): the scenarios whose outputs agent.py gave at
+# name → (format, tools, script, max_turns, max_length, questions, n): the scenarios whose outputs agents/multi_turn.py gave at
 # b8b4a16, before environments (tests/agent_before.json; recorded by running these scenarios through that
 # commit's AgentRollout)
 BEFORE_AFTER = {
@@ -211,8 +211,8 @@ BEFORE_AFTER = {
 
 def agent_rollout(tokenizer, tools_file, reply=calculator_script, max_turns=3, max_length=128, reduce_max=None,
                   fmt="tag", tools=("add",)):
-    from agent import AgentRollout, PARSERS, TurnSettings
-    from environments_tools import ToolEnvironment
+    from agents.multi_turn import AgentRollout, PARSERS, TurnSettings
+    from agents.tools import ToolEnvironment
     environment = ToolEnvironment([f"{tools_file}:{t}" for t in tools], PARSERS[fmt], 1.0, 64, 8)
     settings = TurnSettings(max_turns, max_length, 512, environment)
     backend = ScriptedBackend(tokenizer, reply)
@@ -222,7 +222,7 @@ def agent_rollout(tokenizer, tools_file, reply=calculator_script, max_turns=3, m
 @pytest.mark.parametrize("name", sorted(BEFORE_AFTER))
 def test_the_tool_environment_gives_what_agent_py_gave_before_environments(tokenizer, tools_file, name):
     """The built-in tool environment (environments.ToolEnvironment, each call in a process of its own) gives, token
-    for token, the rows, masks, sampler logprobs, conversations and agent/* metrics that agent.py's in-process tools
+    for token, the rows, masks, sampler logprobs, conversations and agent/* metrics that agents/multi_turn.py's in-process tools
     gave at b8b4a16 on the same scripted scenarios (tests/agent_before.json)."""
     import json
     fmt, tools, script, max_turns, max_length, questions, n = BEFORE_AFTER[name]
@@ -310,7 +310,7 @@ def test_every_process_runs_the_same_generate_calls(tokenizer, tools_file):
 def test_the_reward_function_reads_the_conversation(tokenizer, tools_file, tmp_path):
     """compute_score gets the last turn as solution_str and, in extra_info, the turns, the tool calls, their
     results and num_turns (rewards.score_responses, as ppo.py hands them over)."""
-    import agent
+    from agents import multi_turn as agent
     from rewards import load_reward_function, score_responses
     (tmp_path / "reward.py").write_text(REWARD_FILE)
     ro_, _ = agent_rollout(tokenizer, tools_file)
@@ -328,7 +328,7 @@ def test_the_reward_function_reads_the_conversation(tokenizer, tools_file, tmp_p
 def test_a_template_that_cannot_write_tool_messages_stops_at_start_up(tokenizer):
     """A chat template that does not close assistant turns with the EOS (so nothing marks where a tool answer
     goes) is refused with one sentence, before any rollout."""
-    from agent import ToolTemplate
+    from agents.multi_turn import ToolTemplate
     odd = copy.deepcopy(tokenizer)
     odd.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     with pytest.raises(ConfigError, match="does not end an assistant turn with its EOS"):
@@ -381,7 +381,7 @@ SUMS = [(3, 4), (5, 6), (2, 9), (8, 1), (7, 7), (4, 10)]
 def fit_caller(model, tokenizer, steps=200, lr=3e-3):
     """Teach `model` both turns on SUMS: the question → <add>a+b</add>, the tool's answer → that answer; and to
     answer "hello" to anything else ("Say hello.")."""
-    from agent import ToolTemplate
+    from agents.multi_turn import ToolTemplate
     template, eos = ToolTemplate(tokenizer), tokenizer.eos_token
     seqs = []
     for a, b in SUMS:
@@ -455,7 +455,7 @@ def caller(caller_dir):
 def test_hf_rollout_calls_the_tool_and_answers_with_its_result(caller, caller_dir, tools_file):
     """Through HF generate, greedy, the taught model calls <add> on every sum, reads the tool's answer and replies
     with it; every sample is a well-formed call."""
-    from agent import check_multi_turn, with_tools
+    from agents.multi_turn import check_multi_turn, with_tools
     from rollout import make_rollout
     model, tokenizer = caller
     cfg = rollout_config(caller_dir, tools_file, "hf")
@@ -473,7 +473,7 @@ def test_vllm_turns_match_hf_and_its_logprobs_match_the_trainers(caller, caller_
     equal HF's token for token, masks included; sampled at T=1 from a seed, the sampler's logprobs equal the
     trainer's forward over the gapped rows on every model token (mean |Δ| < 1e-4), and are 0 on tool tokens."""
     from transformers import AutoModelForCausalLM
-    from agent import check_multi_turn, with_tools
+    from agents.multi_turn import check_multi_turn, with_tools
     from rollout import make_rollout
     model, tokenizer = caller
     cfg = rollout_config(tiny_model_dir, tools_file, "vllm")  # the engine starts from other weights
@@ -568,7 +568,7 @@ def test_fsdp2_two_processes_with_lopsided_turns_do_not_hang(agent_workdir, call
 
 
 HELLO_ENV = '''
-from environments import Step
+from agents.environments import Step
 
 class Hello:
     """Asks for hello extra_info["turns"] times, rewarding each turn that says it; a game of more than one turn

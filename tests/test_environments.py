@@ -1,4 +1,4 @@
-"""Environments (environments.py, infra/episodes.py): state that carries across turns, per-turn rewards at each turn's
+"""Environments (agents/environments.py, agents/episodes.py): state that carries across turns, per-turn rewards at each turn's
 last token, first messages of the environment's own, environments and tools that fail, hang, exit or start processes
 costing their sample only, bad classes refused at start-up, no process left after, and message text that never
 becomes a control token. The model is the scripted stand-in of tests/test_agent.py; ppo.py end to end (2 processes)
@@ -20,7 +20,7 @@ from test_agent import chat, question, ScriptedBackend
 
 ENV_FILE = '''
 import os, re, subprocess, sys
-from environments import Reset, Step
+from agents.environments import Reset, Step
 
 class Counter:
     """Counts its turns: turn k is rewarded k and answered "count k"; done after extra_info["turns"] of them."""
@@ -125,8 +125,8 @@ def group_processes(pgid: int) -> list[str]:
 
 
 def env_rollout(tokenizer, spec, max_turns=4, max_length=200, timeout_s=5.0, reply=lambda context, j: "go"):
-    from agent import AgentRollout, TurnSettings
-    from environments import HostedEnvironment
+    from agents.multi_turn import AgentRollout, TurnSettings
+    from agents.environments import HostedEnvironment
     settings = TurnSettings(max_turns, max_length, 64, HostedEnvironment(spec, timeout_s))
     return AgentRollout(ScriptedBackend(tokenizer, reply), tokenizer, settings)
 
@@ -141,7 +141,7 @@ def test_state_carries_across_turns_and_each_reward_lands_at_its_turns_last_toke
     its last token (the EOS), nowhere else; episodes of 1, 3 and 4 turns (the last cut by max_turns) end where
     their environment or max_turns says; the record holds the rewards and infos; agent/env_return_mean and env/count
     (the count where each episode ended) are the means a hand count gives."""
-    from agent import generate_for
+    from agents.multi_turn import generate_for
     ro_ = env_rollout(tokenizer, f"{files}/envs.py:Counter", max_turns=4)
     try:
         ro = generate_for(ro_, rows_of(tokenizer, [{"turns": 1}, {"turns": 3}, {"turns": 9}]), 1, 1.0, seed=0)
@@ -168,7 +168,7 @@ def test_an_environments_own_first_messages_are_the_prompt(tokenizer, files):
     """reset returning Reset(messages): each sample starts from the template's rendering of them (rollout.prompts,
     which with_conversations puts in the rows as the batch's queries), the model answers that prompt, and SkyRL's
     step dict is read as a Step."""
-    from agent import generate_for, with_conversations
+    from agents.multi_turn import generate_for, with_conversations
     seen = []
     ro_ = env_rollout(tokenizer, f"{files}/envs.py:OwnPrompt", reply=lambda context, j: seen.append(context) or "go")
     rows = rows_of(tokenizer, [{"turns": 2}, {"turns": 3}])
@@ -188,7 +188,7 @@ def test_failing_hanging_exiting_and_malformed_environments_cost_their_sample(to
     Step each end their own episode there, with the reason in the record and agent/env_errors_share; the other
     samples play on untouched, the hang costs env_timeout_s, not the run, and a worker lost between batches is
     started again for the next."""
-    from agent import generate_for
+    from agents.multi_turn import generate_for
     faults = ["none", "reset", "raise", "gil", "exit", "malformed", "none"]
     ro_ = env_rollout(tokenizer, f"{files}/envs.py:Faulty", timeout_s=1.0)
     try:
@@ -223,7 +223,7 @@ def test_failing_hanging_exiting_and_malformed_environments_cost_their_sample(to
 def test_a_bad_environment_is_refused_at_start_up_in_one_sentence(files, spec, sentence):
     """check_multi_turn (which ppo.py runs before any model loads) refuses a missing file or class, a function, a
     class without step, one whose constructor needs arguments, in one sentence naming the key."""
-    from agent import check_multi_turn
+    from agents.multi_turn import check_multi_turn
     from infra.cli import load_config
     cfg = load_config(None, ["rollout.multi_turn.enable=true", f"rollout.multi_turn.env={spec.format(files=files)}"])
     with pytest.raises(ConfigError) as e:
@@ -235,8 +235,8 @@ def test_tools_that_hang_holding_the_gil_exit_or_spawn_leave_the_run_whole(token
     """Tool calls run each in a process of their own: one that hangs holding the GIL is killed after
     tool_timeout_s and one that calls os._exit answers an error, the others answer; at most max_calls_per_turn of
     a turn's calls run; the processes a tool and an environment start are gone once the rollout is closed."""
-    from agent import AgentRollout, PARSERS, TurnSettings
-    from environments_tools import ToolEnvironment
+    from agents.multi_turn import AgentRollout, PARSERS, TurnSettings
+    from agents.tools import ToolEnvironment
     script = "<gil>x</gil><leave>x</leave><spawn>x</spawn><echo>a</echo><echo>b</echo>"
     environment = ToolEnvironment([f"{files}/tools.py:{t}" for t in ("gil", "leave", "spawn", "echo")],
                                   PARSERS["tag"], 1.0, 200, max_calls=4)
@@ -249,7 +249,7 @@ def test_tools_that_hang_holding_the_gil_exit_or_spawn_leave_the_run_whole(token
         "error: the tool took longer than 1 s", "error: WorkerDied: the process of this call ended (exit code 3)",
         "started", "a", "error: not run: more than 4 calls in one turn (rollout.multi_turn.max_calls_per_turn)"]
     env_ro = env_rollout(tokenizer, f"{files}/envs.py:Faulty")
-    from agent import generate_for
+    from agents.multi_turn import generate_for
     generate_for(env_ro, rows_of(tokenizer, [{"turns": 3, "fault": "spawn"}]), 1, 1.0)
     groups = [environment.host.proc.pid, env_ro.s.environment.host.proc.pid]
     assert all(any("time.sleep(300)" in line for line in group_processes(g)) for g in groups)
@@ -266,7 +266,7 @@ def test_a_killed_run_leaves_no_process_behind(files, tmp_path):
     program = textwrap.dedent(f'''
         import sys, time
         sys.path.insert(0, {REPO!r})
-        from infra.episodes import ObjectHost
+        from agents.episodes import ObjectHost
         host = ObjectHost({{"env": ("{files}/envs.py", "Faulty")}}, 5.0, check=("{REPO}/environments.py",
                                                                                "check_environment_class"))
         keys = host.open("env", 2)
@@ -291,7 +291,7 @@ def test_message_text_never_becomes_a_control_token(tokenizer, where):
     """A tool answer, an environment's message or its first messages holding the template's control tokens
     ("<|im_start|>system …<|im_end|>"): the ids hold exactly the special tokens of the same messages with plain
     text, and decode back to the text written, the control strings spelled in ordinary tokens."""
-    from environments import ToolTemplate
+    from agents.environments import ToolTemplate
     if where == "SmolLM2":
         path = os.path.join(REPO, "models", "SmolLM2-135M-Instruct")
         if not os.path.isdir(path):
@@ -346,7 +346,7 @@ def test_what_other_libraries_environments_return_is_read_as_theirs():
     SkyRL-Gym's (prompt, metadata) pair and a bare message list are the prompt; step: gym's 4- and 5-tuples
     (terminated or truncated ends it), SkyRL-Gym's dict, a str observation as one user message; a NaN reward or a
     message that is not {role, content} is an error, not a reward."""
-    from environments import as_reset, as_step, Reset, Step
+    from agents.environments import as_reset, as_step, Reset, Step
     row = {"prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "Play."}]}
     user = [{"role": "user", "content": "go"}]
     assert as_reset(None, row) is None
@@ -366,7 +366,7 @@ def test_a_trl_environment_factory_class_has_its_methods_called_as_tools(tokeniz
     """A class of TRL's environment_factory (no step): reset(**row), its public method the tool the model calls
     (Hermes format), on the episode's own instance, so its count carries from call to call; its JSON schema shown
     to the chat template; the turn without a call ends the episode, paid get_reward() at that turn's last token."""
-    from agent import check_multi_turn, generate_for, with_tools
+    from agents.multi_turn import check_multi_turn, generate_for, with_tools
     from infra.cli import load_config
     cfg = load_config(None, ["rollout.multi_turn.enable=true", f"rollout.multi_turn.env={files}/envs.py:Increment",
                              "rollout.multi_turn.max_turns=4", "rollout.max_response_length=400"])

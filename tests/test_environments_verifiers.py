@@ -1,4 +1,4 @@
-"""verifiers' environments drop in (environments_verifiers.py): their dataset as the prompts, verifiers' own rollout
+"""verifiers' environments drop in (agents/verifiers.py): their dataset as the prompts, verifiers' own rollout
 driving the turns (env_response, stop conditions, state), their rubric with its weights as the reward; end to end
 through ppo.py for 2 steps, on examples/verifiers_add_one.py (a SingleTurnEnv) and a MultiTurnEnv built here."""
 import json
@@ -13,7 +13,7 @@ from conftest import make_tiny_model, read_metrics, REPO
 from tools import prepare_data
 
 pytest.importorskip("verifiers")
-import environments_verifiers  # noqa: E402 (after the skip)
+from agents import verifiers as environments_verifiers  # noqa: E402 (after the skip)
 
 SINGLE = open(f"{REPO}/examples/verifiers_add_one.py").read()  # the README's example
 
@@ -156,13 +156,13 @@ def run_ppo(model, folder, spec, out, turns):
 
 
 @pytest.mark.parametrize("name,turns,spelling", [("single", 1, "verifiers:"),
-                                                  ("multi", 4, "environments_verifiers.py:")])
+                                                  ("multi", 4, "agents/verifiers.py:")])
 def test_verifiers_environments_train_two_steps_through_ppo(envs, tmp_path, name, turns, spelling):
     """ppo.py trains 2 steps on each environment's prompts with its rubric as the reward: every step ran every
     episode without an environment error, the reward is the environment's return (the rule of verifiers/* adds 0)
     and not 0 (each episode the tiny model plays gets answered·0.25, or loses 0.1 a guess), and validation (step 2)
     ran on the eval dataset. Each spelling of rollout.multi_turn.env names the environment: verifiers:<target> and
-    the file's own, environments_verifiers.py:<target>."""
+    the file's own, agents/verifiers.py:<target>."""
     path, folder = envs[name]
     proc = run_ppo(make_tiny_model(tmp_path / "model"), folder, spelling + path, tmp_path / "out", turns)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -155,13 +155,13 @@ def test_a_key_given_twice_on_the_command_line_is_warned_about(capsys):
 def test_the_judge_score_is_the_one_its_scale_names(answer, score):
     """The score is X of the last "X/Y", "X out of Y" or "X of Y" (Y the scale, reward.judge.max_score), else the
     last number: "7 out of 10" used to read 10 (the last number), a full score."""
-    from judge import parse_number
+    from scorers.judge import parse_number
     assert parse_number(answer, 0, 10) == pytest.approx(score)
 
 
 def test_a_judge_scoring_on_another_scale_is_an_error():
     """"4/5" asked for a score out of 10 is neither 4 nor 8 with certainty: a ValueError (a counted judge error)."""
-    from judge import parse_number
+    from scorers.judge import parse_number
     with pytest.raises(ValueError, match=r"the judge scored out of 5, not reward.judge.max_score=10"):
         parse_number("4/5", 0, 10)
 
@@ -172,7 +172,7 @@ def test_a_judge_scoring_on_another_scale_is_an_error():
 def test_a_misspelt_placeholder_in_the_judge_template_is_refused(tmp_path, word, near):
     """{respnse} (or {Response}, {ground truth}, {prompts}) would reach the judge as written: refused, naming the
     word, the placeholders and the nearest one."""
-    from judge import read_template
+    from scorers.judge import read_template
     path = write(tmp_path / "t.txt", f"Q: {{prompt}}\nA: {{response}} {{{word}}}")
     with pytest.raises(ConfigError) as e:
         read_template(str(path))
@@ -183,7 +183,7 @@ def test_a_misspelt_placeholder_in_the_judge_template_is_refused(tmp_path, word,
 
 def test_other_braces_in_the_judge_template_stay():
     """JSON and LaTeX braces are not placeholders and pass (render leaves them as they are)."""
-    from judge import read_template, render
+    from scorers.judge import read_template, render
     path = os.path.join(os.path.dirname(__file__), "..", "examples", "judge_prompt.txt")
     read_template(path)
     text = 'Reply {"score": n}; the answer is in \\boxed{answer} or {x}. {response}'
@@ -193,7 +193,7 @@ def test_other_braces_in_the_judge_template_stay():
 def test_an_api_key_written_as_the_variable_name_is_refused_without_quoting_it():
     """reward.judge.api_key_env=sk-… (the key itself, which config.yaml would keep): one sentence that does not quote
     the value, before the endpoint is asked."""
-    from judge import check_judge
+    from scorers.judge import check_judge
     cfg = config("reward.type=judge", "reward.judge.base_url=http://127.0.0.1:9/v1",
                  "reward.judge.api_key_env=sk-proj-abc123").reward.judge
     with pytest.raises(ConfigError) as e:
@@ -262,7 +262,7 @@ KEY = "sk-test-0123456789abcdef"
 
 
 def judge_of(url, tmp_path, monkeypatch):
-    from judge import Judge
+    from scorers.judge import Judge
     monkeypatch.setenv("JUDGE_TEST_KEY", KEY)
     template = write(tmp_path / "t.txt", "Rate: {response}")
     return Judge(config("reward.type=judge", f"reward.judge.base_url={url}", f"reward.judge.prompt_template={template}",
@@ -315,8 +315,8 @@ def test_a_malformed_tool_call_is_an_error_for_its_sample(body, error):
     """A name that is not a string (a list used to raise `unhashable type` out of the rollout) and JSON nested past
     Python's parser (RecursionError, not a ValueError) are calls with an error, answered as such; the tool never
     runs."""
-    from agent import parse_hermes
-    from environments_tools import run_tools
+    from agents.multi_turn import parse_hermes
+    from agents.tools import run_tools
 
     class NoHost:  # infra/episodes.ObjectHost, which runs the tools: never asked to
         timeout_s = 1.0
@@ -340,7 +340,7 @@ def test_lone_surrogates_in_a_tool_call_become_replacement_characters():
     """"\\ud800" in the call's JSON (in a key, a value, or arguments given as a JSON string) is no UTF-8 text, which a
     tokenizer or a log could not write: each lone one becomes U+FFFD; a surrogate pair stays the character it
     encodes."""
-    from agent import parse_hermes
+    from agents.multi_turn import parse_hermes
     text = ('<tool_call>{"name": "calc", "arguments": {"x\\ud800": ["\\udc80a", "\\ud83d\\ude00"]}}</tool_call>'
             '<tool_call>{"name": "calc", "arguments": "{\\"y\\": \\"\\\\udfff\\"}"}</tool_call>')
     calls = parse_hermes(text, {"calc"})

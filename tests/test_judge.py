@@ -1,4 +1,4 @@
-"""The LLM judge (judge.py): answers parsed into scores, the template, the start-up check, bounded concurrency,
+"""The LLM judge (scorers/judge.py): answers parsed into scores, the template, the start-up check, bounded concurrency,
 timeouts and retries, errors counted and a batch of errors stopping the run; against a stand-in OpenAI server
 (StubServer, in this process) for the timings, and against vLLM's own OpenAI server on a tiny model taught to judge,
 end to end through ppo.py.
@@ -31,7 +31,7 @@ ROWS = [{"prompt": "What is 3 + 4?", "ground_truth": "7"}, {"prompt": "What is 5
 def test_the_number_parser_reads_the_last_score_in_range():
     """The answer's last number (not the denominator of "7/10"), scaled from [low, high] to [0, 1]; no number, or
     one outside the range, is a ValueError."""
-    from judge import parse_number
+    from scorers.judge import parse_number
     assert parse_number("8", 0, 10) == 0.8
     assert parse_number("Score: 7/10", 0, 10) == 0.7
     assert parse_number("Step 1 looks fine, step 2 too. Final score: 4.5", 1, 5) == pytest.approx(0.875)
@@ -41,7 +41,7 @@ def test_the_number_parser_reads_the_last_score_in_range():
 
 
 def test_the_yes_no_parser_reads_the_last_yes_or_no():
-    from judge import parse_yes_no
+    from scorers.judge import parse_yes_no
     assert [parse_yes_no(a, 0, 1) for a in ["Yes.", "No, 3 + 4 is 7.", "no... on reflection, YES"]] == [1.0, 0.0, 1.0]
     with pytest.raises(ValueError):
         parse_yes_no("maybe; it depends", 0, 1)
@@ -50,7 +50,7 @@ def test_the_yes_no_parser_reads_the_last_yes_or_no():
 def test_the_template_is_filled_in_one_pass():
     """{prompt} (a chat as role: content lines), {response} and {ground_truth} are replaced; other braces stay, and a
     response that holds "{prompt}" is not filled in again."""
-    from judge import render
+    from scorers.judge import render
     row = {"prompt": [{"role": "system", "content": "Add."}, {"role": "user", "content": "3 + 4"}], "ground_truth": 7}
     out = render('{"question": "{prompt}", "truth": {ground_truth}} {response}', row, "{prompt}!")
     assert out == '{"question": "system: Add.\nuser: 3 + 4", "truth": 7} {prompt}!'
@@ -151,7 +151,7 @@ def right_or_wrong(prompt: str) -> str:
 def test_a_batch_is_scored_with_bounded_concurrency(stub, template_file):
     """Each response gets the judge's parsed answer (yes 1, no 0) and its raw answer; with max_concurrency=2 and
     slow replies, exactly 2 requests are ever in flight at once."""
-    from judge import Judge
+    from scorers.judge import Judge
     server = stub(answer=right_or_wrong, delay=0.2)
     judge = Judge(judge_config(server.url, template_file, "reward.judge.max_concurrency=2").judge)
     judged = judge(ROWS * 3, ["7", "12", "8", "11", "7", "11"])
@@ -163,7 +163,7 @@ def test_a_batch_is_scored_with_bounded_concurrency(stub, template_file):
 def test_overloaded_server_is_retried_with_backoff(stub, template_file):
     """Two 503s, then answers: with max_retries=2 the request succeeds on its third attempt, after waiting
     backoff_s + 2·backoff_s; with max_retries=1 it is an error, counted, and scores 0."""
-    from judge import Judge
+    from scorers.judge import Judge
     server = stub(failures=2)
     judge = Judge(judge_config(server.url, template_file, "reward.judge.max_retries=2",
                                "reward.judge.backoff_s=0.2").judge)
@@ -178,7 +178,7 @@ def test_overloaded_server_is_retried_with_backoff(stub, template_file):
 def test_a_slow_judge_times_out_into_a_counted_error(stub, template_file):
     """A reply slower than reward.judge.timeout_s: each attempt gives up at the timeout, and after its retries the
     sample is an error (APITimeoutError) that scores 0, well before the server would have answered."""
-    from judge import Judge
+    from scorers.judge import Judge
     server = stub(delay=5.0)
     judge = Judge(judge_config(server.url, template_file, "reward.judge.timeout_s=0.3",
                                "reward.judge.max_retries=1").judge)
@@ -194,7 +194,7 @@ def test_the_scorer_counts_judge_errors_and_stops_when_all_fail(stub, template_f
     answers are each sample's extras; when every sample errs it raises RewardError (the run stops, as for a failing
     reward function). With sources [rule, judge] and weights [0.5, 2] the score is 0.5·rule + 2·judge."""
     from rewards import RewardError
-    from scorers import Scorer
+    from rewards import Scorer
     server = stub(answer=lambda prompt: "yes" if "A: 7" in prompt else "I cannot say")
     rows = [{**row, "data_source": "arithmetic", "extra_info": {}} for row in ROWS]
     scorer = Scorer(judge_config(server.url, template_file), "cpu", None)
@@ -215,7 +215,7 @@ def test_the_scorer_counts_judge_errors_and_stops_when_all_fail(stub, template_f
 def test_the_start_up_check_names_the_key(stub, template_file, tmp_path):
     """check_judge: no server at base_url, a model it does not serve, an ambiguous null model, no template, a
     template without {response}: each one sentence naming its key."""
-    from judge import check_judge
+    from scorers.judge import check_judge
     served = stub(models=("a", "b"))
     (tmp_path / "blind.txt").write_text("Is it right?")
     down = f"http://127.0.0.1:{free_port()}/v1"
@@ -300,7 +300,7 @@ def vllm_judge(tmp_path_factory, template_file):
     """vLLM's OpenAI server on a tiny model that answers yes to the right sums of ROWS and no to wrong ones (and to
     whatever a random policy writes); yields its /v1 URL."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from judge import render
+    from scorers.judge import render
     from test_serve import openai_server
     root = tmp_path_factory.mktemp("vllm_judge")
     path = make_tiny_model(root / "model")
@@ -318,7 +318,7 @@ def vllm_judge(tmp_path_factory, template_file):
 def test_vllm_server_scores_a_batch_and_its_failures_are_counted(vllm_judge, template_file):
     """Through vLLM's OpenAI server: the taught judge says yes to right sums and no to wrong ones; asked for a number
     instead (parser=number) every answer is unparseable, and given 1 ms every request times out: each an error."""
-    from judge import Judge
+    from scorers.judge import Judge
     cfg = judge_config(vllm_judge, template_file, "reward.judge.max_tokens=4")
     judged = Judge(cfg.judge)(ROWS * 2, ["7", "12", "8", "11"])
     assert judged.answers == ["yes", "no", "no", "yes"] and judged.scores == [1.0, 0.0, 0.0, 1.0]

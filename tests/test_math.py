@@ -640,7 +640,7 @@ def test_validation_metrics_at_k_read_the_rules_answers(tmp_path):
     """validation_metrics with k = 2 and a rule that returns {"score", "pred"} (as verl's DAPO rule): mean@2 is
     val/score/mean, pass@1 and pass@2 follow the scores, and maj@2 the rule's answers ("pred")."""
     from infra import cli
-    from scorers import Scorer
+    from rewards import Scorer
     rule = tmp_path / "rule.py"
     rule.write_text('def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n'
                     '    pred = solution_str.strip()\n'

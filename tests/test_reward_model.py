@@ -16,7 +16,7 @@ from conftest import REPO, make_tiny_model, make_tokenizer, read_metrics
 import data
 from reward_model import bradley_terry_loss, load_pairs
 from data import render
-from scorers import last_token_index, RewardModel, RewardModelScorer
+from scorers.model import last_token_index, RewardModel, RewardModelScorer
 
 
 def write_pairs(path, n, seed=0, **extra_columns):
@@ -230,7 +230,7 @@ def test_shared_prefix_forward_equals_one_plain_forward(tmp_path):
     gradients, whether their common prefix runs once and is cached or every row runs whole."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForSequenceClassification
-    from scorers import shared_prefix_length
+    from scorers.model import shared_prefix_length
     tok = make_tokenizer()
     hf = AutoModelForSequenceClassification.from_pretrained(make_tiny_model(tmp_path / "m"), num_labels=1,
                                                             pad_token_id=tok.pad_token_id)

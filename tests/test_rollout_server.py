@@ -1,4 +1,4 @@
-"""rollout.name=server against vLLM's real OpenAI-compatible server (rollout_server.py): weight pushes, LoRA and full,
+"""rollout.name=server against vLLM's real OpenAI-compatible server (rollout_kinds/server.py): weight pushes, LoRA and full,
 that make the server answer as HF generate on the trainer's weights; ppo.py training through it, in step and running
 ahead (rollout.steps_ahead=1, the thread against the same schedule in turn, 2 FSDP2 processes against 1); and a
 child server that stops with its run.
@@ -52,7 +52,7 @@ def config(root, *overrides):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """<root> with a tiny model, data and a reward; the module's server (LoRA enabled, rank 8) at its url."""
-    from rollout_server import ServerProcess
+    from rollout_kinds.server import ServerProcess
 
     root = tmp_path_factory.mktemp("server")
     arithmetic_run_folder(root, 40, 8)
@@ -96,7 +96,7 @@ def train_a_step(model, ids: list[int], lr: float) -> None:
 def base_restored(server):
     """Full-weight pushes change the module server's base: it reloads model.path afterwards."""
     yield
-    from rollout_server import Client
+    from rollout_kinds.server import Client
     root, url = server
     Client(url, 1).reload_weights(str(root / "model"))
 
@@ -109,7 +109,7 @@ def test_lora_pushes_make_the_server_answer_as_hf_generate(server, base_restored
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from rollout_server import ServerRollout
+    from rollout_kinds.server import ServerRollout
     root, url = server
     cfg = config(root, f"rollout.server.url={url}", f"rollout.server.lora_push={push}")
     torch.manual_seed(0)
@@ -209,7 +209,7 @@ def test_full_weight_pushes_make_the_server_answer_as_hf_generate(server, base_r
     then /reset_prefix_cache): the server's greedy answers equal HF generate's on the trainer's weights."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rollout_server import ServerRollout
+    from rollout_kinds.server import ServerRollout
     root, url = server
     cfg = config(root, f"rollout.server.url={url}", "model.lora_rank=0")
     torch.manual_seed(0)

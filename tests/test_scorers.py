@@ -47,7 +47,7 @@ def reward_cfg(*overrides):
 def test_sources_add_up_with_their_weights_and_each_is_logged(tmp_path):
     """reward.sources=[rule,function] with weights [2, 0.5]: each score is 2·rule + 0.5·function, the means of each
     source are logged as reward/<source>/mean, and the function's extra number as reward/chars."""
-    from scorers import Scorer
+    from rewards import Scorer
     path = tmp_path / "length.py"
     path.write_text(LENGTH_REWARD)
     scorer = Scorer(reward_cfg("reward.sources=[rule,function]", "reward.weights=[2,0.5]",
@@ -66,7 +66,7 @@ def test_the_old_reward_type_is_mapped_or_refused_in_one_sentence():
     spellings at once, a weight count that is not the source count, a source twice, an unused reward.function, and
     an unknown source each fail at start-up in one sentence naming the key."""
     from rewards import reward_sources
-    from scorers import check_reward_inputs
+    from rewards import check_reward_inputs
     assert reward_sources(reward_cfg()) == [("rule", 1.0)]
     assert reward_sources(reward_cfg("reward.type=rule", "reward.function=f.py:g")) == [("function", 1.0)]
     assert reward_sources(reward_cfg("reward.type=model")) == [("model", 1.0)]
@@ -99,7 +99,7 @@ class LengthPenalty:
 def test_a_new_scorer_is_one_class_and_one_table_line(monkeypatch):
     """LengthPenalty (one class) and one line in SCORERS make reward.sources=[rule,length] a valid run: the start-up
     check accepts it and the score is rule − len/100, logged as reward/length/mean."""
-    import scorers
+    import rewards as scorers
     monkeypatch.setitem(scorers.SCORERS, "length", LengthPenalty)
     cfg = reward_cfg("reward.sources=[rule,length]")
     scorers.check_reward_inputs(cfg)
@@ -124,7 +124,7 @@ def test_step_rewards_land_on_the_tokens_that_end_each_step(tmp_path):
     the token that holds the step's last character by the tokenizer's own offsets (return_offsets_mapping), the
     EOS and padding get none, a response without steps gets zeros, and the score stays the function's."""
     from rewards import decode_responses
-    from scorers import Scorer
+    from rewards import Scorer
     path = tmp_path / "steps.py"
     path.write_text(STEP_REWARD)
     tok = merging_tokenizer()
@@ -198,7 +198,7 @@ def test_the_sampler_adds_the_rollouts_token_rewards_to_the_scorers(tmp_path):
     from rewards import Scores
     from sampling import Samples
     from sampling import Sampler
-    from scorers import Scorer
+    from rewards import Scorer
     path = tmp_path / "steps.py"
     path.write_text(STEP_REWARD)
     tok = merging_tokenizer()
@@ -287,7 +287,7 @@ def server():
 
 
 def remote_scorer(url, *overrides):
-    from scorers import Scorer
+    from rewards import Scorer
     return Scorer(reward_cfg("reward.sources=[remote]", f"reward.remote.url={url}", "reward.remote.backoff_s=0.05",
                              *overrides), "cpu", None, tokenizer=merging_tokenizer())
 
@@ -329,7 +329,7 @@ def test_a_failing_server_costs_its_samples_and_all_failing_stops_the_run(server
 
 def test_a_remote_source_needs_an_address():
     """reward.sources=[remote] without an http(s) reward.remote.url: one sentence naming the key."""
-    from scorers import check_reward_inputs
+    from rewards import check_reward_inputs
     with pytest.raises(ConfigError, match=r"reward.remote.url=None: give the reward server's address"):
         check_reward_inputs(reward_cfg("reward.sources=[remote]"))
 

@@ -263,7 +263,7 @@ def test_a_judge_that_answers_garbage_or_goes_away_is_a_counted_error(tmp_path):
     (scored 0, counted), the good answer scored; once the server is gone, every sample is an error within the
     retries, never a hang or a traceback."""
     from infra.cli import load_config
-    from judge import Judge
+    from scorers.judge import Judge
     server = ThreadingHTTPServer(("127.0.0.1", 0), GarbageJudge)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     template = write(tmp_path / "t.txt", "Is {response} right?")

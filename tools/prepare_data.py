@@ -2,7 +2,7 @@
 
     python tools/prepare_data.py --task arithmetic --output data/arithmetic                 # the PPO demo
     python tools/prepare_data.py --task arithmetic-preferences --output data/preferences    # the reward-model demo
-    python tools/prepare_data.py --task arithmetic-tool --output data/arithmetic_tool       # the agent demo (agent.py)
+    python tools/prepare_data.py --task arithmetic-tool --output data/arithmetic_tool       # the agent demo (agents/multi_turn.py)
     python tools/prepare_data.py --task guess-number --output data/guess_number             # the environment demo
     python tools/prepare_data.py --input gsm8k_train.jsonl --output data/gsm8k --val-fraction 0.05 --seed 0
     python tools/prepare_data.py --task reasoning_gym:leg_counting --size 2200 --seed 0 --output data/leg_counting
@@ -11,7 +11,7 @@
 3}'`: its keyword arguments), about --val-size of them in val.parquet, split by question (no val question is in
 train.parquet); the rule reasoning_gym/* scores them with the task's own score_answer (reward_rules/).
 `--task verifiers:<path/to/env.py or module>` writes a verifiers environment's dataset (train) and eval dataset (val),
-for rollout.multi_turn.env=verifiers:<the same> (environments_verifiers.py).
+for rollout.multi_turn.env=verifiers:<the same> (agents/verifiers.py).
 
 `--output` is always a folder: train.parquet and val.parquet are written inside it.
 `--input` converts a jsonl file; the kind of row is detected from the first line's keys:

@@ -1,5 +1,5 @@
 """Objects of a user's file, each hosted in a process of its own: one environment instance per episode
-(environments.py), one process per tool call. A call that raises, hangs (even holding the GIL), calls os._exit or
+(agents/environments.py), one process per tool call. A call that raises, hangs (even holding the GIL), calls os._exit or
 kills its process fails that object only; processes it starts are ended with the run.
 
     host = ObjectHost({"env": ("my_env.py", "Guess")}, 30, check)   # imports the file in a worker; may raise
@@ -8,7 +8,7 @@ kills its process fails that object only; processes it starts are ended with the
     host.end(keys)                                       # their processes leave
     host.close()                                         # the worker and every process it or they started
 
-How: the worker (`python infra/episodes.py FD`) imports the files once, in a session of its own, so that its
+How: the worker (`python agents/episodes.py FD`) imports the files once, in a session of its own, so that its
 process group holds it, every process it forks and every process those start. An object is built in a child forked
 from it, which answers method calls over a pipe; the worker relays calls and answers, and kills a child still
 running a call timeout_s after it began (SIGKILL: it needs no cooperation from the call). close() kills the whole

@@ -33,16 +33,10 @@ from safetensors.torch import save_file
 from infra.batches import autocast_dtype
 from infra.config import ConfigError
 from infra.distributed import whole
-from infra.rollout_common import cut_at_eos, eos_ids_of, policy_weights, prompt_seeds, right_pad, Rollout
+from infra.rollout_common import (cut_at_eos, eos_ids_of, kv_cache_bytes, policy_weights, prompt_seeds, right_pad,
+                                   Rollout)
 
 SERVED_NAME = "policy"  # the name the child serves model.path under
-
-
-def kv_cache_bytes(config, tokens: int, dtype: torch.dtype) -> int:
-    """Bytes of keys and values for `tokens` positions: 2 · layers · kv_heads · head_dim · itemsize each."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return 2 * config.num_hidden_layers * kv_heads * head_dim * dtype.itemsize * tokens
 
 
 def post(url: str, body: dict, timeout: float = 600.0) -> dict:
@@ -216,7 +210,7 @@ def replace_folder(old: str, new: str) -> None:
 
 
 class ServerRollout:
-    """A vLLM OpenAI-compatible server in its own process (rollout_server.py): this run's child on rollout.server's
+    """A vLLM OpenAI-compatible server in its own process (rollout_kinds/server.py): this run's child on rollout.server's
     cores or devices, or the one at rollout.server.url. Every process sends its own prompts, one request each;
     sync_weights gathers the actor on every process (FSDP2) and rank 0 pushes it through a folder the server reads:
     a LoRA actor's adapter, loaded under a new name each time, or the full weights (a LoRA actor's merged, with
@@ -248,7 +242,7 @@ class ServerRollout:
 
     def generate(self, prompts: list[list[int]], n: int, temperature: float, seed: Optional[int] = None,
                  max_tokens: Optional[list[int]] = None) -> Rollout:
-        """max_tokens: each prompt's budget (agent.py's later turns); rollout.max_response_length when None."""
+        """max_tokens: each prompt's budget (agents/multi_turn.py's later turns); rollout.max_response_length when None."""
         cfg, greedy = self.cfg, temperature == 0
         budgets = max_tokens or [cfg.max_response_length] * len(prompts)
         requests = [dict(model=self.model_name, prompt=p, n=1 if greedy else n, temperature=temperature,

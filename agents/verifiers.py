@@ -1,22 +1,22 @@
 """verifiers' environments (`load_environment()`, the environments prime-rl trains on) as environments of this
-library (environments.py's contract: reset(row), step(text)), driven on this library's own generation.
+library (agents/environments.py's contract: reset(row), step(text)), driven on this library's own generation.
 
     python tools/prepare_data.py --task verifiers:my_env.py --output data/my_env      # its dataset as the prompts
     python ppo.py --config configs.yaml data.train_files=data/my_env/train.parquet \\
         data.val_files=data/my_env/val.parquet rollout.multi_turn.enable=true rollout.multi_turn.max_turns=4 \\
         rollout.multi_turn.env=verifiers:my_env.py                                     # or an installed module
 
-`verifiers:<target>` (short for `environments_verifiers.py:<target>`, the class `<target>` of this file, which
+`verifiers:<target>` (short for `agents/verifiers.py:<target>`, the class `<target>` of this file, which
 `__getattr__` below makes) names a verifiers environment: a file path/to/env.py, or an installed module
 (as `vf-eval` takes it), whose `load_environment()` returns a SingleTurnEnv, a MultiTurnEnv or another of verifiers'
-own environments. The environment is loaded once, in the worker that hosts the episodes (infra/episodes.py), and
+own environments. The environment is loaded once, in the worker that hosts the episodes (agents/episodes.py), and
 each episode runs in a process forked from it.
 
 An episode is verifiers' own rollout (`MultiTurnEnv.rollout`: setup_state, its stop conditions — is_completed,
 max_turns, final_env_response —, env_response between turns), run in a thread, with a client whose model is this
 library's sampler: each time verifiers asks its client for a response, the messages go out (reset gives the first,
 step the env_response after each turn) and the model's next turn comes back as the response. The token ids, masks
-and sampler log-probs are this library's rollout's, kept as every multi-turn rollout keeps them (agent.py).
+and sampler log-probs are this library's rollout's, kept as every multi-turn rollout keeps them (agents/multi_turn.py).
 
 The reward is verifiers' rubric (`Rubric.score_rollout`: Σ weight·func over its reward functions), paid turn by turn
 as what each turn added to it: before the model's next turn the rubric scores the conversation so far, and the turn
@@ -143,7 +143,7 @@ async def score_so_far(env, state, prompt) -> float:
 
 class VerifiersEpisode:
     """One episode of `env` (a verifiers environment; a subclass per target sets it, see __getattr__ below). Its
-    returns are environments.py's plain forms: reset a list of messages (None: the row's own prompt), step gym's
+    returns are agents/environments.py's plain forms: reset a list of messages (None: the row's own prompt), step gym's
     (messages, reward, done, info)."""
     env = None
 
@@ -189,7 +189,7 @@ class VerifiersEpisode:
 
 
 def __getattr__(target: str):
-    """`environments_verifiers.py:<target>` (rollout.multi_turn.env): an episode class bound to target's
+    """`agents/verifiers.py:<target>` (rollout.multi_turn.env): an episode class bound to target's
     environment, loaded here once (PEP 562: the name after the colon is looked up on this module)."""
     if target.startswith("__"):
         raise AttributeError(target)

@@ -1,11 +1,11 @@
-"""Environments: what a multi-turn rollout talks to between the model's turns (agent.py drives them).
+"""Environments: what a multi-turn rollout talks to between the model's turns (agents/multi_turn.py drives them).
 
     accelerate launch ppo.py --config examples/guess_number.yaml                      # the demo (make env)
     … rollout.multi_turn.enable=true rollout.multi_turn.env=path/to/file.py:Class     # your environment
 
 The whole contract. A class with a constructor that takes no arguments, `reset` and `step` (and `close`, optional):
 
-    from environments import Reset, Step
+    from agents.environments import Reset, Step
 
     class Guess:
         def reset(self, row):                # row: the data row (prompt, ground_truth, data_source, extra_info, …)
@@ -17,7 +17,7 @@ The whole contract. A class with a constructor that takes no arguments, `reset` 
             return Step([{"role": "user", "content": "higher" if int(text) < self.secret else "lower"}])
 
 One instance per sample (episode). It lives in a process of its own, forked from a worker process that imported
-the file once (infra/episodes.py): state in one instance, module globals included, never reaches another sample, and
+the file once (agents/episodes.py): state in one instance, module globals included, never reaches another sample, and
 what an instance does (raise, hang holding the GIL, os._exit, start processes) costs that sample only.
 
 reset(row) gives the episode's first messages, the prompt the model answers. It may return
@@ -49,7 +49,7 @@ raises, returns something else, takes longer than rollout.multi_turn.env_timeout
 episode where it is (the turns so far kept, no further reward) and counts in agent/env_errors; it never ends the
 run. A class that cannot be imported or built is refused at start-up in one sentence.
 
-The built-in environment, when rollout.multi_turn.env is empty, is ToolEnvironment (environments_tools.py): the
+The built-in environment, when rollout.multi_turn.env is empty, is ToolEnvironment (agents/tools.py): the
 tool calls of rollout.multi_turn.tools, each run in a process of its own. A class of TRL's environment_factory
 (reset(**row), public methods, get_reward(); no step) has its methods called as the tools there (MethodEnvironment).
 """
@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from infra.config import ConfigError
-from infra.episodes import ObjectHost
+from agents.episodes import ObjectHost
 from infra.worker import WorkerStartError
 
 
@@ -236,16 +236,16 @@ class ToolTemplate:
 
 class HostedEnvironment:
     """A user's environment class (rollout.multi_turn.env), one instance per episode, each in a process of its own
-    (infra/episodes.py); agent.AgentRollout drives it, a batch of episodes at a time: reset(rows), step(…) after
+    (agents/episodes.py); agent.AgentRollout drives it, a batch of episodes at a time: reset(rows), step(…) after
     each turn, end(). A call that fails is returned as the exception (CallFailed, TypeError, …): it ends that
     episode only. The worker is started again at the next reset when it was lost."""
     hosted = True  # the user's code: every call runs in the episode's process
     counts_tools = False  # its infos are its own (ToolEnvironment's hold the calls, for agent/*)
 
     def __init__(self, spec: str, timeout_s: float):
-        if spec.startswith("verifiers:"):  # the short name of environments_verifiers.py:<target>
+        if spec.startswith("verifiers:"):  # the short name of agents/verifiers.py:<target>
             here = os.path.dirname(os.path.abspath(__file__))
-            spec = os.path.join(here, "environments_verifiers.py") + spec.removeprefix("verifiers")  # …py:<target>
+            spec = os.path.join(here, "verifiers.py") + spec.removeprefix("verifiers")  # …py:<target>
         path, _, name = spec.rpartition(":")
         if not path or not name:
             raise ConfigError(f"rollout.multi_turn.env: {spec!r} must be path/to/file.py:Class or verifiers:<target>")
@@ -253,7 +253,7 @@ class HostedEnvironment:
             raise ConfigError(f"rollout.multi_turn.env: file {path} does not exist (in {spec!r})")
         self.target, self.timeout_s, self.keys = {"env": (path, name)}, timeout_s, []
         self.host = self.start()
-        self.trl = self.host.checks["env"]  # TRL's environment_factory class: its tools (environments_tools.py)
+        self.trl = self.host.checks["env"]  # TRL's environment_factory class: its tools (agents/tools.py)
 
     def start(self) -> ObjectHost:
         try:

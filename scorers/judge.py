@@ -195,6 +195,8 @@ def check_judge(cfg) -> None:
         raise ConfigError("reward.judge.api_key_env must be the name of an environment variable (letters, digits and "
                           "_, e.g. OPENAI_API_KEY) that holds the key: a key written in a config is saved in the "
                           "run's config.yaml")
+    if cfg.parser not in PARSERS:
+        raise ConfigError(f"reward.judge.parser={cfg.parser!r} is not one of {', '.join(PARSERS)}")
     read_template(cfg.prompt_template)
     if cfg.parser == "number" and not cfg.min_score < cfg.max_score:
         raise ConfigError(f"reward.judge.min_score ({cfg.min_score}) must be below reward.judge.max_score "
@@ -392,3 +394,13 @@ class RemoteScorer:
 
 class RetriedStatus(Exception):
     """A 429 or 5xx: the server is busy or failed; the request is tried again."""
+
+
+def check_judge_source(cfg_reward, trust_remote_code: bool) -> None:
+    """rewards.CHECKS' line for reward.sources=[judge]."""
+    check_judge(cfg_reward.judge)
+
+
+def check_remote_source(cfg_reward, trust_remote_code: bool) -> None:
+    """rewards.CHECKS' line for reward.sources=[remote]."""
+    check_remote(cfg_reward.remote)

@@ -1,14 +1,14 @@
 """Environments whose turns are tool calls: the built-in one (rollout.multi_turn.tools, plain functions) and TRL's
 environment_factory classes (rollout.multi_turn.env=path.py:Class, whose public methods are the tools). Both follow
-environments.py's contract, batched as agent.AgentRollout drives it; the calls are read by the format's parser
-(agent.PARSERS) and every call runs in a process (infra/episodes.py), killed after its timeout.
+agents/environments.py's contract, batched as agent.AgentRollout drives it; the calls are read by the format's parser
+(agent.PARSERS) and every call runs in a process (agents/episodes.py), killed after its timeout.
 """
 import os
 from dataclasses import dataclass, replace
 
-from environments import as_messages, HostedEnvironment, Reset, Step
+from agents.environments import as_messages, HostedEnvironment, Reset, Step
 from infra.config import ConfigError
-from infra.episodes import ObjectHost
+from agents.episodes import ObjectHost
 from infra.worker import CallFailed, WorkerStartError
 
 
@@ -34,7 +34,7 @@ class ToolResult:
 
 def run_tools(calls: list, host: ObjectHost, max_chars: int, owners: list = None) -> list[ToolResult]:
     """Each call's answer: str(tool(**arguments)) (hermes) or str(tool(text)) (tag), cut to max_chars. All calls run
-    at once, each in a process of its own (infra/episodes.py) killed after rollout.multi_turn.tool_timeout_s: a call
+    at once, each in a process of its own (agents/episodes.py) killed after rollout.multi_turn.tool_timeout_s: a call
     that raises, hangs, or ends its process answers an error, and what it started is ended with the run. owners:
     for each call, the key of the object whose method it calls (TRL's environments), instead of a new process."""
     runnable = [i for i, call in enumerate(calls) if call.error is None]

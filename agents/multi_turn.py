@@ -4,7 +4,7 @@
     accelerate launch ppo.py --config examples/guess_number.yaml            # an environment (make env)
 
 `AgentRollout` wraps a rollout backend (rollout.py) and runs up to `max_turns` assistant turns per sample. A turn
-ends at EOS; the environment (environments.py: the user's class, or the built-in ToolEnvironment running the tool
+ends at EOS; the environment (agents/environments.py: the user's class, or the built-in ToolEnvironment running the tool
 calls written in the turn, PARSERS) answers it with messages, a reward and whether the episode is done; the messages
 are appended through the tokenizer's chat template (ToolTemplate, their text never read as control tokens), and the
 model goes on from there: the next turn's prompt is the whole row so far, so vLLM's prefix cache holds the turns
@@ -33,8 +33,8 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from environments import HostedEnvironment, ToolTemplate
-from environments_tools import MethodEnvironment, ToolEnvironment
+from agents.environments import HostedEnvironment, ToolTemplate
+from agents.tools import MethodEnvironment, ToolEnvironment
 from infra.config import ConfigError
 from infra.distributed import max_over_processes
 from infra.worker import CallFailed

@@ -1,0 +1,3 @@
+"""Scorers beyond the rule and the function, off by default (reward.sources): a reward model (model.py), an LLM judge
+(judge.py), a remote reward server (remote.py). rewards.SCORERS names each on one line; the default step never reads
+this folder."""
