@@ -34,6 +34,11 @@ class Settings:
     whiten: bool  # GAE: whiten the advantages over the batch
     reduce_sum: Optional[Callable] = None  # sums a tensor over processes (None: this process holds the whole batch)
 
+    @classmethod
+    def from_config(cls, cfg, reduce_sum=None):
+        alg = cfg.algorithm
+        return cls(alg.gamma, alg.lam, cfg.rollout.n, alg.norm_adv_by_std_in_grpo, alg.whiten_advantages, reduce_sum)
+
 
 def masked_mean(x, mask, dim=None):
     return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)

@@ -4,6 +4,8 @@ infra/models.load_critic.
 """
 import torch
 
+from advantages import masked_mean
+
 
 def value_loss(values, old_values, returns, response_mask, cliprange: float):
     """L_V = ½·max((V − R)², (V_clip − R)²),  V_clip = V_old + clip(V − V_old, ±ε)   (per token, (B, Tr))
@@ -29,3 +31,9 @@ def explained_variance(values, returns, response_mask, reduce_sum=None) -> float
     if n < 2 or var_r <= 0:
         return float("nan")
     return 1 - var_e / var_r
+
+
+def value_metrics(old_values, returns, response_mask, reduce_sum) -> dict:
+    """The step's value/mean (this process's) and value/explained_var (over every process's tokens)."""
+    return {"value/mean": masked_mean(old_values, response_mask).item(),
+            "value/explained_var": explained_variance(old_values, returns, response_mask, reduce_sum)}

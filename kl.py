@@ -10,6 +10,8 @@ John Schulman, "Approximating KL Divergence", http://joschu.net/blog/kl-approx.h
 """
 import torch
 
+from infra.rollout_common import add_token_rewards
+
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
     """Per-token estimate of KL(π ‖ π_ref) at tokens sampled from π, with log r = log π_ref − log π:
@@ -63,7 +65,22 @@ class KLController:
     def __init__(self, kind: str, kl_coef: float, target_kl: float, horizon: int):
         self.kind, self.value, self.target, self.horizon = kind, kl_coef, target_kl, horizon
 
+    @classmethod
+    def from_config(cls, kl_ctrl):
+        """algorithm.kl_ctrl's type, kl_coef, target_kl and horizon."""
+        return cls(kl_ctrl.type, kl_ctrl.kl_coef, kl_ctrl.target_kl, kl_ctrl.horizon)
+
     def update(self, current_kl: float, n_steps: int) -> None:
         if self.kind == "adaptive":
             error = min(max(current_kl / self.target - 1, -0.2), 0.2)
             self.value *= 1 + error * n_steps / self.horizon
+
+
+def distillation_rewards(token_rewards, batch: dict, teacher_cfg):
+    """The token rewards (B, Tr; None: none) plus on-policy distillation's, −coef·KL_t(π ‖ π_teacher) at every token,
+    with algorithm.teacher.mode=reward (Agarwal et al., 2024; verl, TRL): the policy's own samples, each token
+    rewarded by how likely the teacher finds it."""
+    if "teacher_logprobs" not in batch or teacher_cfg.mode != "reward":
+        return token_rewards
+    kl_teacher = kl_estimate(batch["old_logprobs"], batch["teacher_logprobs"], teacher_cfg.kl_estimator)  # (B, Tr)
+    return add_token_rewards(token_rewards, -teacher_cfg.coef * kl_teacher)

@@ -16,6 +16,9 @@ from typing import Optional
 
 import torch
 
+from advantages import masked_mean
+from infra.checks import rejection_band
+
 
 @dataclass(frozen=True)
 class Clip:
@@ -156,3 +159,19 @@ def agg_loss(loss_mat, mask, mode: str, counts: Counts, loss_scale_factor: Optio
     if mode == "seq-mean-token-sum-norm" and loss_scale_factor:
         return (loss_mat * mask).sum() / (counts.sequences * loss_scale_factor)
     raise ValueError(f"unknown loss_agg_mode {mode!r}, or seq-mean-token-sum-norm without a loss_scale_factor")
+
+
+def policy_loss_mask(batch: dict, truncated, cfg) -> tuple[torch.Tensor, dict]:
+    """loss_mask (B, Tr): response_mask less the responses cut off at rollout.max_response_length
+    (reward.overlong_filter, DAPO's overlong filtering) and less the tokens, or responses, whose sampler/trainer
+    ratio leaves algorithm.rollout_rs's band (losses.rejection_mask); and the share of real tokens rejected."""
+    alg, response_mask = cfg.algorithm, batch["response_mask"].float()
+    loss_mask, metrics = response_mask, {}
+    if cfg.reward.overlong_filter:
+        loss_mask = loss_mask * (~truncated).float()[:, None]
+    if alg.rollout_rs != "off":
+        kept = rejection_mask(batch["old_logprobs"], batch["rollout_logprobs"], response_mask, alg.rollout_rs,
+                              *rejection_band(alg))
+        metrics["rollout/rs_rejected_frac"] = 1 - masked_mean(kept, response_mask).item()
+        loss_mask = loss_mask * kept
+    return loss_mask, metrics

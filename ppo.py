@@ -13,9 +13,10 @@
 
 Each step: 1. sample prompts, 2. generate, 3. score, 4. old/ref logprobs and values,
 5. rewards = score − β·KL, 6. advantages, 7. PPO epochs, 8. sync rollout weights, 9. log,
-10. checkpoint. Steps 1–3 are sampling.py's (the rollout, the scores, dynamic sampling, running ahead); the math is in
-the stage files beside this one (advantages.py, losses.py, kl.py, critic.py); the plumbing (command line, run folder,
-processes, model loading, the optimiser step, forwards) is in infra/.
+10. checkpoint. Each step calls its stage file: rollout.py (2), rewards.py (3), kl.py (5), advantages.py (6),
+losses.py and critic.py (7), validation.py; the plumbing (command line, run folder, processes, model loading, the
+optimiser step, forwards) is in infra/; what is off by default (multi-turn agents, other scorers, other rollout kinds)
+in agents/, scorers/ and rollout_kinds/, reached by one table line each.
 
 How this departs from the textbook (Schulman et al., 2017; Ziegler et al., 2019):
 1. An episode is one response; the task score arrives at its last real token (EOS included), and
@@ -37,9 +38,9 @@ How this departs from the textbook (Schulman et al., 2017; Ziegler et al., 2019)
 7. A rollback (trainer.rollback_tolerance) restores best/'s weights, optimiser states and β, but not the step, the
    data position, the LR schedule or the RNG: the run goes on with new prompts instead of replaying the same steps.
 8. With rollout.steps_ahead = k > 0 the batch of step t is generated when step t − k begins, from the policy then
-   (Samples.versions; rollout/staleness_mean|max; a batch older than k is refused), in one background thread while
+   (rollout.Generated.version; rollout/staleness_mean|max; a batch older than k is refused), in one background thread while
    the steps before it score and train; new weights reach the rollout between two generations, never during one
-   (sampling.Sampler.batch_ahead). The loss is decoupled PPO (Hilton et al., 2021; AReaL's decoupled loss, verl's
+   (rollout.RunAhead). The loss is decoupled PPO (Hilton et al., 2021; AReaL's decoupled loss, verl's
    rollout correction): the ratio is clipped around π_old, the trainer's own log-probs at the weights before the
    update (which departure 3's shortcut computes, so it stays), and the gap to the stale sampler is corrected by
    algorithm.rollout_is, token-level by default (auto, as verl's TIS), so the sampler's log-probs are required.
@@ -80,30 +81,29 @@ from accelerate.utils import extract_model_from_parallel as unwrap_model
 from tqdm import tqdm
 
 import advantages
-from agents import multi_turn as agent
 import kl
-from advantages import COMPARES_SAMPLES, masked_mean, NEEDS_CRITIC
-from critic import explained_variance, value_loss
+from advantages import COMPARES_SAMPLES, masked_mean, NEEDS_CRITIC, varied_groups
+from critic import value_loss, value_metrics
 from infra import cli, config
 from infra.batches import (autocast_dtype, Forward, micro_batch, per_token_pass, resolve_dtype, set_train_mode,
                            split_micro)
-from infra.checks import check_combinations, check_sizes, rejection_band, Sizes
+from infra.checks import check_combinations, check_sizes, Sizes
 from infra.config import ConfigError
 from infra.distributed import fsdp_from_launcher, make_accelerator, max_over_processes, use_cpu
 from infra.layouts import batch_layout
-from infra.metrics import (batch_metrics, check_loggers, console_line, reduce_metrics, sample_table,
+from infra.metrics import (batch_metrics, check_loggers, console_line, reduce_metrics, sample_table, shown_samples,
                            sum_over_processes, timed)
+from infra.rollout_common import Samples
 from infra.models import check_model_folders, check_teacher, load_models, load_teacher, policy_tokenizer
 from infra.optim import make_optimizer, StopAtMicroBatch, train_step
 from infra.runs import check_learning, Interrupted, save_checkpoint, start_run, StopSignal
-from infra.train_state import best_metric_missing, keep_best, resume, save_final, TrainState
+from infra.train_state import best_metric_missing, keep_best, resume, save_final, step_seed, TrainState
 from infra.trunk import plan_trunk
-from kl import KLController, kl_estimate, kl_penalty_rewards
-from losses import agg_loss, Clip, Counts, mini_batch_counts, POLICY_LOSSES, rejection_mask, rollout_is_weights
+from kl import distillation_rewards, KLController, kl_estimate, kl_penalty_rewards
+from losses import agg_loss, Clip, Counts, mini_batch_counts, POLICY_LOSSES, policy_loss_mask, rollout_is_weights
 from data import load_prompts
-from rewards import check_data_sources, check_reward_inputs, rule_needing_truth, Scorer
-from rollout import check_rollout, make_rollout, rollout_is_level
-from sampling import add_token_rewards, Sampler, shown_samples, step_seed
+from rewards import check_data_sources, check_reward_inputs, rule_needing_truth, score_samples, Scorer
+from rollout import check_rollout, check_turns, make_rollout, rollout_is_level, RunAhead
 from validation import check_best_metric, validate
 
 CONSOLE_KEYS = ["score/mean", "reward/mean", "kl/mean", "policy/entropy", "policy/clipfrac", "loss/policy",
@@ -230,14 +230,32 @@ def needs_old_logprobs(cfg, num_mini: int) -> bool:
             or bool(alg.teacher.path and alg.teacher.mode == "reward"))
 
 
-def distilled(token_rewards, batch: dict, teacher_cfg):
-    """The token rewards (B, Tr; None: none) plus on-policy distillation's, −coef·KL_t(π ‖ π_teacher) at every token,
-    with algorithm.teacher.mode=reward (Agarwal et al., 2024; verl, TRL): the policy's own samples, each token
-    rewarded by how likely the teacher finds it."""
-    if "teacher_logprobs" not in batch or teacher_cfg.mode != "reward":
-        return token_rewards
-    kl_teacher = kl_estimate(batch["old_logprobs"], batch["teacher_logprobs"], teacher_cfg.kl_estimator)  # (B, Tr)
-    return add_token_rewards(token_rewards, -teacher_cfg.coef * kl_teacher)
+def draw_prompts(state, train_rows: list, cfg, rank: int, count: int) -> list[dict]:
+    """Step 1: the next global batch of the seeded data order (state's position moves on), this process's `count`."""
+    inds = state.next_prompts(len(train_rows), cfg.data.train_batch_size, cfg.trainer.seed, cfg.data.shuffle)
+    return [train_rows[i] for i in inds[rank * count:(rank + 1) * count]]
+
+
+def due(freq: int, step: int) -> bool:
+    """trainer.test_freq, save_freq, sample_freq: every `freq` steps; 0: never."""
+    return bool(freq) and step % freq == 0
+
+
+def more_rounds(kept: list, rounds: int, need: int, cfg, accelerator) -> bool:
+    """Whether steps 1–3 run another round: the first always; with algorithm.filter_groups, while a process holds fewer
+    than `need` prompts whose n scores differ (`kept`: Samples, one per round; the same answer on every process), up to
+    algorithm.filter_groups.max_num_gen_batches rounds, after which the run stops with a sentence."""
+    fg, n = cfg.algorithm.filter_groups, cfg.rollout.n
+    if rounds == 0 or not fg.enable:
+        return rounds == 0
+    have = sum(len(samples.rows) for samples in kept) // n
+    short = int(accelerator.reduce(torch.tensor(float(max(need - have, 0)), device=accelerator.device), "max").item())
+    if short and rounds == fg.max_num_gen_batches:
+        raise ConfigError(f"algorithm.filter_groups: after {rounds} rounds of {cfg.data.train_batch_size} prompts a "
+                          f"process still lacks {short} of its {need} prompts whose samples score differently (the "
+                          f"data is too easy or too hard for this policy); raise "
+                          f"algorithm.filter_groups.max_num_gen_batches")
+    return short > 0
 
 
 def teacher_logprobs(teacher, micro, fwd: Forward):
@@ -282,25 +300,10 @@ def check_names(cfg) -> None:
                   f"only a KL loss or an entropy bonus trains: set rollout.temperature > 0, e.g. 1.0")
 
 
-def policy_loss_mask(batch: dict, truncated, cfg) -> tuple[torch.Tensor, dict]:
-    """loss_mask (B, Tr): response_mask less the responses cut off at rollout.max_response_length
-    (reward.overlong_filter, DAPO's overlong filtering) and less the tokens, or responses, whose sampler/trainer
-    ratio leaves algorithm.rollout_rs's band (losses.rejection_mask); and the share of real tokens rejected."""
-    alg, response_mask = cfg.algorithm, batch["response_mask"].float()
-    loss_mask, metrics = response_mask, {}
-    if cfg.reward.overlong_filter:
-        loss_mask = loss_mask * (~truncated).float()[:, None]
-    if alg.rollout_rs != "off":
-        kept = rejection_mask(batch["old_logprobs"], batch["rollout_logprobs"], response_mask, alg.rollout_rs,
-                              *rejection_band(alg))
-        metrics["rollout/rs_rejected_frac"] = 1 - masked_mean(kept, response_mask).item()
-        loss_mask = loss_mask * kept
-    return loss_mask, metrics
-
-
 @dataclass(frozen=True)
 class Inputs:
-    """What check_inputs reads: tokenizer, prompts, the sizes they were checked for, multi-turn's agent.TurnSettings."""
+    """What check_inputs reads: tokenizer, prompts, the sizes they were checked for, and with rollout.multi_turn the
+    started environment's settings (rollout.check_turns)."""
     tokenizer: object
     train_rows: list
     val_rows: list
@@ -325,9 +328,8 @@ def check_inputs(cfg, num_processes: int, print0=print) -> Inputs:
                                         rule_of=functools.partial(rule_needing_truth, cfg_reward=cfg.reward))
     sizes = check_sizes(cfg, num_processes, len(train_rows))
     check_data_sources({r["data_source"] for r in train_rows + val_rows}, cfg.reward)  # each has a rule
-    check_best_metric(cfg, {r["data_source"] for r in val_rows},  # validation logs it
-                      agent.agent_metrics([], hosted=bool(cfg.rollout.multi_turn.env)))
-    turns = agent.check_multi_turn(cfg, tokenizer)  # multi-turn: the environment or tools start, the template fits
+    turns = check_turns(cfg, tokenizer)  # multi-turn: the environment or tools start, the template fits; or None
+    check_best_metric(cfg, {r["data_source"] for r in val_rows}, turns.metric_names() if turns else ())  # logged
     return Inputs(tokenizer, train_rows, val_rows, sizes, turns)
 
 
@@ -369,33 +371,35 @@ def main(cfg: config.Config):
     teacher = load_teacher(cfg, accelerator, fsdp, fwd)  # on-policy distillation's (algorithm.teacher), or None
     actor_opt, actor_sched = make_optimizer(policy, cfg.actor.optim, t.total_steps)
     critic_opt, critic_sched = make_optimizer(critic, cfg.critic.optim, t.total_steps) if critic else (None, None)
-    # SIGTERM or Ctrl-C from here on ends a step with a checkpoint (a hung reward call delays it ≤ reward.timeout_s);
-    # step 7 stops at its next micro-batch (train_step), its later updates, the sync and validation skipped
+    # SIGTERM or Ctrl-C from here on ends the step with a checkpoint, step 7 cut at its next micro-batch (train_step)
     stop_signal = StopSignal(verbose=accelerator.is_main_process)
     scorer = Scorer.from_config(cfg, device, tokenizer, stop_signal)  # reward.sources, weighted
     cut = StopAtMicroBatch(functools.partial(stop_signal.received, accelerator))
 
     # ---- state, resume
-    state = TrainState(KLController(alg.kl_ctrl.type, alg.kl_ctrl.kl_coef, alg.kl_ctrl.target_kl,
-                                    alg.kl_ctrl.horizon), {"actor": actor_sched, "critic": critic_sched})
+    state = TrainState(KLController.from_config(alg.kl_ctrl), {"actor": actor_sched, "critic": critic_sched})
     checkpointed = {"policy": (policy, actor_opt),  # {name: (model, optimiser)} saved beside state.json
                     **({"critic": (critic, critic_opt)} if critic is not None else {})}
     logger = resume(accelerator, cfg, resume_from, checkpointed, state)
-    rollout = make_rollout(cfg, policy, tokenizer, accelerator, dtype, synced_forwards=fsdp is not None)
-    rollout = agent.with_tools(rollout, inputs.turns, tokenizer)  # rollout.multi_turn: an environment between turns
-    sample = Sampler(rollout, tokenizer, scorer, accelerator, cfg, sizes.prompts)  # steps 1–3
+    rollout = make_rollout(cfg, policy, tokenizer, accelerator, dtype, synced_forwards=fsdp is not None,
+                           turns=inputs.turns)  # rollout.multi_turn: an environment answers between turns
+    if cfg.rollout.steps_ahead:  # departure 8: generation k steps early, in a background thread
+        rollout = RunAhead(rollout, cfg.rollout, version=max(0, state.step - cfg.critic.warmup_steps))
+    score = functools.partial(score_samples, scorer=scorer, tokenizer=tokenizer, eos_ids=rollout.eos_ids, cfg=cfg,
+                              accelerator=accelerator)  # step 3: (rows, rollout) → Samples, metrics
     reduce_sum = functools.partial(sum_over_processes, accelerator)
+    n, rank, world = cfg.rollout.n, accelerator.process_index, accelerator.num_processes
+    draw = functools.partial(draw_prompts, state, train_rows, cfg, rank, sizes.prompts)  # step 1: this process's share
 
     # ---- what steps 6 and 7 compute with, bound once
-    adv_settings = advantages.Settings(alg.gamma, alg.lam, cfg.rollout.n, alg.norm_adv_by_std_in_grpo,
-                                       alg.whiten_advantages, reduce_sum)
+    adv_settings = advantages.Settings.from_config(cfg, reduce_sum)
     actor_update = Update("actor", policy, actor_opt, actor_sched, ActorLoss.from_config(cfg, fwd), "loss_mask",
                           sizes.actor_micro, cfg.actor.max_grad_norm)
     critic_update = critic and Update("critic", critic, critic_opt, critic_sched, CriticLoss.from_config(cfg, fwd),
                                       "response_mask", sizes.critic_micro, cfg.critic.max_grad_norm)
 
     if t.val_before_train and val_rows and state.step == 0:
-        metrics = validate(cfg, sample.idle(), tokenizer, scorer, val_rows, accelerator)
+        metrics = validate(cfg, rollout, tokenizer, scorer, val_rows, accelerator)
         print0("validation before training: " + console_line(metrics, sorted(metrics)))
         if t.best_metric and (missing := best_metric_missing(t.best_metric, metrics)):  # val/env/<key>: misspelt?
             print0("warning: " + missing)
@@ -407,10 +411,27 @@ def main(cfg: config.Config):
     for step in bar:
         times, skipped_before, t0 = {}, state.skipped, time.perf_counter()
 
-        # ---- 1–3. sample prompts, generate n responses each, score them (sampling.Sampler); with algorithm.filter_groups
-        # (DAPO's dynamic sampling) in rounds, until every process holds its share of prompts whose scores differ
-        samples, metrics = sample.batch(state, train_rows, step, times)
-        scores, truncated = samples.scores, samples.truncated  # (B,) each
+        # ---- 1–3. sample prompts, generate n responses each (rollout.py), score them (rewards.py): in rounds (departure 6)
+        kept, metrics, rounds = [], defaultdict(list), 0
+        while more_rounds(kept, rounds, sizes.prompts, cfg, accelerator):
+            if cfg.rollout.steps_ahead:  # departure 8: generated k steps ago; the batches up to step + k start now
+                for ahead in rollout.wants(step, t.total_steps):  # the data position before the draw goes first
+                    rollout.submit((state.epoch, state.position), draw(), step_seed(t.seed, ahead, rank))
+                rows, ro = rollout.next(step, times, metrics)  # refused when older than k versions
+            else:
+                rows = draw()  # 1. this process's prompts
+                with timed(times, "time/gen_s"):  # 2. row i·n + j: sample j of prompt i
+                    ro = rollout.generate(rows, n, cfg.rollout.temperature,
+                                          seed=step_seed(t.seed, step, rank + world * rounds))
+            with timed(times, "time/reward_s"):  # 3. the prompts' rows n times, their responses scored
+                got, scored = score([row for row in rows for _ in range(n)], ro)
+            varied = varied_groups(got.scores, n) if alg.filter_groups.enable else torch.ones(len(rows)).bool()
+            kept.append(got.take(varied.repeat_interleave(n).nonzero()[:, 0].tolist()))  # the prompts kept
+            for key, value in {**scored, "sampling/varied_frac": varied.float().mean().item()}.items():
+                metrics[key].append(value)  # a mean over rounds
+            rounds += 1
+        samples = Samples.cat(kept, tokenizer.pad_token_id).take(list(range(sizes.prompts * n)))
+        metrics["sampling/rounds"], scores, truncated = rounds, samples.scores, samples.truncated  # (B,) each
         batch = samples.as_batch(tokenizer.pad_token_id)  # queries, responses, their masks, rollout_logprobs
         response_mask = batch["response_mask"]  # (B, Tr)
         lengths = batch.get("response_attention_mask", response_mask).sum(1)  # (B,) tokens, EOS and tool answers too
@@ -424,8 +445,7 @@ def main(cfg: config.Config):
         if fwd.trunk is not None:  # the frozen layers once per sequence; the forwards below start above them
             with timed(times, "time/trunk_s"):
                 batch.update(no_grad_pass(lambda micro: fwd.trunk_states(policy, micro)))  # (B, Tq, H), (B, Tr, H)
-        # departure 3: with one epoch of one mini-batch, no KL in the reward (to the reference or a teacher) and no
-        # rejection, ActorLoss takes old_logprobs from the update's own forward instead
+        # departure 3: where ActorLoss can take them from the update's own forward, they are not computed here
         if needs_old_logprobs(cfg, sizes.num_mini):
             with timed(times, "time/old_logprob_s"):
                 batch["old_logprobs"] = no_grad_pass(lambda micro: fwd.logprobs(policy, micro)[0])  # (B, Tr)
@@ -446,7 +466,7 @@ def main(cfg: config.Config):
             kl_tokens = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], alg.kl_penalty) * response_mask
             seq_kl = accelerator.reduce(masked_mean(kl_tokens, response_mask, 1).mean().to(device), "mean").item()
             state.kl_ctrl.update(seq_kl, cfg.data.train_batch_size * cfg.rollout.n)
-        dense = distilled(samples.token_rewards, batch, alg.teacher)  # (B, Tr) or None: the scorers', the teacher's
+        dense = distillation_rewards(samples.token_rewards, batch, alg.teacher)  # (B, Tr) or None: the scorers', the teacher's
         token_rewards = kl_penalty_rewards(scores, kl_tokens, response_mask, beta, dense)  # (B, Tr)
 
         # ---- 6. advantages (B, Tr), zero on padding: advantages.ESTIMATORS[algorithm.adv_estimator]; and the
@@ -485,15 +505,13 @@ def main(cfg: config.Config):
         # ---- 8. sync rollout weights, between generations: the next must come from the updated policy (departure 8)
         if update_actor and not cut.signum:
             with timed(times, "time/sync_s"):
-                sample.sync_weights(policy, step - cfg.critic.warmup_steps)
+                rollout.sync_weights(policy, step - cfg.critic.warmup_steps)
 
         # ---- 9. log: means (maxima for *_max) over this process's batch and micro-batches, then over processes
         metrics.update({**batch_metrics(scores, token_rewards, lengths, truncated), "kl/coef": beta, **stats,
                         **mask_metrics})
         if critic is not None:
-            metrics["value/mean"] = masked_mean(batch["old_values"], response_mask).item()
-            metrics["value/explained_var"] = explained_variance(batch["old_values"], batch["returns"], response_mask,
-                                                                reduce_sum)
+            metrics.update(value_metrics(batch["old_values"], batch["returns"], response_mask, reduce_sum))
         metrics = reduce_metrics(accelerator, metrics)
         tokens = accelerator.reduce(torch.tensor(float(sum(tok_lengths)), device=device), "sum").item()
         times["time/step_s"] = time.perf_counter() - t0
@@ -507,27 +525,26 @@ def main(cfg: config.Config):
             print0("warning: " + warning)
 
         # validate (every test_freq steps, and at the end however it comes), keep the best, roll back, and log
-        if val_rows and not cut.signum and ((t.test_freq and step % t.test_freq == 0) or step == t.total_steps
-                                            or stop_reason):
-            val_metrics = validate(cfg, sample.idle(), tokenizer, scorer, val_rows, accelerator)
+        if val_rows and not cut.signum and (due(t.test_freq, step) or step == t.total_steps or stop_reason):
+            val_metrics = validate(cfg, rollout, tokenizer, scorer, val_rows, accelerator)
             metrics.update(val_metrics)
             if t.best_metric and (rollback := keep_best(accelerator, cfg, val_metrics, state, checkpointed)):
                 print0(rollback)
-                sample.sync_weights(policy, sample.version)  # the next batch comes from best/'s weights
+                rollout.sync_weights(policy, max(0, step - cfg.critic.warmup_steps))  # the next: best/'s weights
         logger.log({**metrics, "train/rollbacks": state.rollbacks}, step)
         bar.set_postfix(score=f"{metrics['score/mean']:.3f}", reward=f"{metrics['reward/mean']:.3f}",  # env turns in it
                         kl=f"{metrics.get('kl/mean', 0):.4f}")
         print0(f"step {step}  " + console_line(metrics, CONSOLE_KEYS))
         # nothing learnt, no final/: trainer.max_skipped_steps in a row, or every step of a run that ends here
-        check_learning(skipped_in_a_row, range(first, step + 1), step == t.total_steps or bool(stop_reason), t,
-                       "trainer")
-        if t.sample_freq and step % t.sample_freq == 0:
+        check_learning(skipped_in_a_row, range(first, step + 1), step == t.total_steps or bool(stop_reason), t, "trainer")
+        if due(t.sample_freq, step):
             print0(sample_table(shown_samples(samples, t.num_samples_to_show)))
 
         # ---- 10. checkpoint; SIGTERM (Slurm's preemption) or Ctrl-C ends the run here, and a rerun resumes
         signum = stop_signal.received(accelerator)
-        if (t.save_freq and step % t.save_freq == 0) or step == t.total_steps or stop_reason or signum:
-            save_checkpoint(accelerator, t.output_dir, step, t.keep_checkpoints, checkpointed, sample.saved(state))
+        if due(t.save_freq, step) or step == t.total_steps or stop_reason or signum:
+            saved = rollout.rewind(state.state_dict()) if cfg.rollout.steps_ahead else state.state_dict()  # departure 8
+            save_checkpoint(accelerator, t.output_dir, step, t.keep_checkpoints, checkpointed, saved)
         if signum:
             print0(f"stopped by {signal.Signals(signum).name} after step {step}, checkpoint saved"
                    f"{' (its updates cut short at a micro-batch)' * bool(cut.signum)}; run the same command to resume")
@@ -541,7 +558,7 @@ def main(cfg: config.Config):
     save_final(accelerator, policy, tokenizer, cfg)
     logger.close()
     accelerator.wait_for_everyone()
-    sample.close()  # a vLLM engine destroys its process groups, and the launcher's; a server child stops
+    rollout.close()  # a vLLM engine destroys its process groups, and the launcher's; a server child stops
     accelerator.end_training()  # the process group, where one is left
     return stop_reason
 

@@ -18,6 +18,7 @@ holds character c_k − 1 (step_token_rewards), as a process reward model's woul
 What every scorer returns (each scorer is one line of SCORERS, below) is a `Scores`.
 """
 import asyncio
+import functools
 import inspect
 import math
 import numbers
@@ -31,6 +32,7 @@ from accelerate.utils import gather_object
 
 from infra.batches import autocast_dtype
 from infra.config import ConfigError, load_target
+from infra.rollout_common import add_token_rewards, cut_off, Samples, with_conversations
 from infra.runs import Interrupted
 from infra.worker import CallFailed, FunctionWorker, Pool, WorkerStartError
 from reward_rules import reasoning_gym_rules, verl_prime_math, verl_rules
@@ -534,3 +536,27 @@ class Scorer:
                 metrics[key] = metrics.get(key, 0.0) + value if key.endswith("errors") else value
             metrics[f"reward/{name}/mean"] = got.scores.float().mean().item()
         return Scores(total, token_rewards, extras, metrics)
+
+
+# ---------------------------------------------------------------------------------------
+# Step 3 of ppo.py for one generated batch
+
+
+def score_samples(rows: list[dict], ro, scorer, tokenizer, eos_ids, cfg, accelerator) -> tuple[Samples, dict]:
+    """The prompts' rows (each n times: row i·n + j holds sample j of prompt i) and their responses, decoded and
+    scored on every process together (`scorer`: reward.sources, weighted), the rollout's token rewards (an
+    environment's turns) added to the scorers', and the score shaped for length: reward.overlong_penalty for a
+    response cut off at rollout.max_response_length, DAPO's soft punishment (overlong_reward) over the last
+    reward.overlong_buffer_len tokens. Returns the Samples and the scorers' and rollout's metrics."""
+    r, max_length = cfg.reward, cfg.rollout.max_response_length
+    rows = with_conversations(rows, ro)  # multi-turn: the reward reads each conversation
+    texts = decode_responses(tokenizer, ro)
+    scored = score_on_every_process(functools.partial(scorer, rows, texts, ro), accelerator)
+    scores, token_rewards = scored.scores, add_token_rewards(scored.token_rewards, ro.token_rewards)  # (B,), (B, Tr)
+    lengths = (ro.response_mask if ro.attention_mask is None else ro.attention_mask).sum(1)  # (B,) tool answers too
+    truncated = cut_off(ro.responses, lengths, max_length, eos_ids)  # (B,)
+    scores = scores + r.overlong_penalty * truncated.float()
+    if r.overlong_buffer_len:
+        scores = scores + overlong_reward(lengths, max_length, r.overlong_buffer_len, r.overlong_penalty_factor)
+    return (Samples(rows, ro.responses, ro.response_mask, ro.logprobs, texts, scores, truncated, ro.attention_mask,
+                    token_rewards, scored.extras), {**scored.metrics, **ro.metrics})

@@ -1,7 +1,9 @@
-"""Rollout backends: sample `n` responses per prompt from the current policy. Every backend is one class with one
-protocol, and one line of KINDS (rollout.name):
+"""Step 2, rollouts: sample `n` responses per prompt from the current policy. Every kind is one class with one
+protocol, and one line of KINDS (rollout.name); multi-turn (agents/) and running ahead (RunAhead, below) wrap any kind
+and answer the same calls:
 
-    generate(prompts, n, temperature, seed=None, max_tokens=None) -> Rollout   # steps 2 (and the validation's)
+    generate(rows, n, temperature, seed=None) -> Rollout   # step 2 (and validation's): rows are data rows, each
+                                                           # with "prompt_ids" (and "max_tokens": a turn's budget)
     sync_weights(model, version)       # the actor's weights after `version` updates; never during a generate call
     close()                            # at the end (a vLLM engine's process groups, a server child)
     eos_ids                            # every id that ends a response
@@ -13,18 +15,22 @@ Each returns the same `Rollout`, row `i·n + j` holding sample j of prompt i:
                               infra.models.load_tokenizer, which makes EOS the pad where there is none)
     response_mask  (B·n, Tr)  1 = a real response token (the EOS included), 0 = padding
     logprobs       (B·n, Tr)  the sampler's log-probabilities, or None where the backend has none
-and, from multi-turn rollouts (agents/multi_turn.py, which wraps any backend), an attention mask (1 on the tool answers too,
-where response_mask is 0), each sample's conversation and agent/* metrics.
+and, from multi-turn rollouts (agents/multi_turn.py), an attention mask (1 on the tool answers too, where
+response_mask is 0), each sample's conversation, the environment's token rewards and agent/* metrics.
 
-`ppo.py` calls `make_rollout(...)` once, then `generate(...)` every step (through sampling.Sampler) and
-`sync_weights(...)` after every step that changed the policy, and `close()` at the end. vLLM is imported only when its
-backend is made (it is optional, and its environment must be set first: make_rollout). The server backend's process,
-requests and weight pushes are rollout_kinds/server.py's.
+`ppo.py` calls `make_rollout(...)` once, then `generate(...)` every step and `sync_weights(...)` after every step that
+changed the policy, and `close()` at the end. vLLM is imported only when its kind is made (it is optional, and its
+environment must be set first: make_rollout). The server kind's process, requests and weight pushes are
+rollout_kinds/server.py's.
 """
 import importlib.util
 import logging
 import os
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -32,8 +38,9 @@ import torch
 from infra.batches import autocast_dtype
 from infra.config import ConfigError, load_target
 from infra.distributed import max_over_processes
-from infra.rollout_common import (cut_at_eos, cut_off, eos_ids_of, kv_cache_bytes, left_pad,  # noqa: F401 (the
-                                  policy_weights, prompt_seeds, right_pad, Rollout)  # protocol's record and rows, read from here too)
+from infra.metrics import timed
+from infra.rollout_common import (cut_at_eos, eos_ids_of, kv_cache_bytes, left_pad, policy_weights, prompt_seeds,
+                                  prompts_and_budgets, right_pad, Rollout)
 
 
 class HFRollout:
@@ -54,12 +61,11 @@ class HFRollout:
         self.device = device or next(model.parameters()).device
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], n: int, temperature: float, seed: Optional[int] = None,
-                 max_tokens: Optional[list[int]] = None) -> Rollout:
-        """max_tokens: each prompt's budget (agents/multi_turn.py's later turns); rollout.max_response_length when None."""
+    def generate(self, rows: list[dict], n: int, temperature: float, seed: Optional[int] = None) -> Rollout:
         cfg, device = self.cfg, self.device
+        prompts, budgets = prompts_and_budgets(rows, cfg.max_response_length)
         seqs = [p for p in prompts for _ in range(n)]
-        budgets = [b for b in max_tokens or [cfg.max_response_length] * len(prompts) for _ in range(n)]  # per row
+        budgets = [b for b in budgets for _ in range(n)]  # per row
         greedy = temperature == 0
         kwargs = dict(max_new_tokens=max(budgets, default=cfg.max_response_length), do_sample=not greedy,
                       pad_token_id=self.pad_id, eos_token_id=sorted(self.eos_ids), synced_gpus=self.synced_gpus)
@@ -164,9 +170,7 @@ class VLLMRollout:
         self.sync_weights(model)
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], n: int, temperature: float, seed: Optional[int] = None,
-                 max_tokens: Optional[list[int]] = None) -> Rollout:
-        """max_tokens: each prompt's budget (agents/multi_turn.py's later turns); rollout.max_response_length when None."""
+    def generate(self, rows: list[dict], n: int, temperature: float, seed: Optional[int] = None) -> Rollout:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -175,6 +179,7 @@ class VLLMRollout:
             self.llm.reset_prefix_cache()
             self.stale_prefix_cache = False
         cfg, greedy = self.cfg, temperature == 0
+        prompts, budgets = prompts_and_budgets(rows, cfg.max_response_length)
         seeds = prompt_seeds(seed, self.rank, len(prompts))
         params = [SamplingParams(n=1 if greedy else n, temperature=temperature, top_p=cfg.top_p,
                                  top_k=max(cfg.top_k, 0), max_tokens=budget,
@@ -182,7 +187,7 @@ class VLLMRollout:
                                  min_tokens=budget if cfg.ignore_eos else 0,  # as HF's
                                  logprobs=0,  # the sampled token's logprob, no alternatives
                                  seed=prompt_seed)
-                  for budget, prompt_seed in zip(max_tokens or [cfg.max_response_length] * len(prompts), seeds)]
+                  for budget, prompt_seed in zip(budgets, seeds)]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         responses, logprobs = [], []
         for out in outputs:  # in prompt order; row i·n + j = sample j of prompt i
@@ -225,8 +230,11 @@ class VLLMRollout:
         self.llm.llm_engine.engine_core.shutdown()
 
 
-# rollout.name → its backend; gives_logprobs and runs_apart decide the start-up checks (check_rollout)
+# rollout.name → its backend (a feature folder's as "module:name"); gives_logprobs and runs_apart decide the start-up
+# checks (check_rollout)
 KINDS = {"hf": HFRollout, "vllm": VLLMRollout, "server": "rollout_kinds.server:ServerRollout"}
+# rollout.multi_turn: any kind's generate, turn after turn, an environment answering each turn
+MULTI_TURN = {"check": "agents.multi_turn:check_multi_turn", "rollout": "agents.multi_turn:AgentRollout"}
 
 
 def check_rollout(cfg) -> None:
@@ -259,8 +267,15 @@ def rollout_is_level(cfg) -> str:
     return "token" if cfg.rollout.steps_ahead else "off"
 
 
-def make_rollout(cfg, model, tokenizer, accelerator, autocast_dtype=None, synced_forwards: bool = False):
-    """The backend named by `cfg.rollout.name` (KINDS); vLLM falls back to HF, with one warning, where it is missing."""
+def check_turns(cfg, tokenizer):
+    """Before any model loads, with rollout.multi_turn on: its environment started and checked (MULTI_TURN), the
+    settings that make_rollout's turns need; None without multi-turn."""
+    return load_target(MULTI_TURN["check"])(cfg, tokenizer) if cfg.rollout.multi_turn.enable else None
+
+
+def make_rollout(cfg, model, tokenizer, accelerator, autocast_dtype=None, synced_forwards: bool = False, turns=None):
+    """The backend named by `cfg.rollout.name` (KINDS), with multi-turn (turns: check_turns') around it; vLLM falls back
+    to HF, with one warning, where it is missing."""
     name = cfg.rollout.name
     if name == "vllm":
         # Before vLLM is imported: keep its engine in this process (so weights pass by reference, and sync_weights
@@ -282,8 +297,99 @@ def make_rollout(cfg, model, tokenizer, accelerator, autocast_dtype=None, synced
                 print(f"warning: rollout.name=vllm but vLLM cannot be imported ({e}); using rollout.name=hf")
             name = "hf"
     if name == "vllm":
-        return VLLMRollout(cfg, model, tokenizer, unwrap=accelerator.unwrap_model)
-    if name == "hf":  # synced_forwards (FSDP2): every process runs as many forwards as the one with the longest response
-        return HFRollout(accelerator.unwrap_model(model), tokenizer, cfg.rollout, autocast_dtype,
-                         synced_gpus=synced_forwards, device=accelerator.device)
-    return load_target(KINDS[name])(cfg, model, tokenizer, accelerator)  # every other kind: the common constructor
+        backend = VLLMRollout(cfg, model, tokenizer, unwrap=accelerator.unwrap_model)
+    elif name == "hf":  # synced_forwards (FSDP2): every process runs as many forwards as the one with the longest one
+        backend = HFRollout(accelerator.unwrap_model(model), tokenizer, cfg.rollout, autocast_dtype,
+                            synced_gpus=synced_forwards, device=accelerator.device)
+    else:  # every other kind: the common constructor
+        backend = load_target(KINDS[name])(cfg, model, tokenizer, accelerator)
+    if turns is not None:  # as many turns on every process (HF generate under FSDP2 is a collective)
+        backend = load_target(MULTI_TURN["rollout"])(backend, tokenizer, turns, max_over_processes)
+    return backend
+
+
+# ---------------------------------------------------------------------------------------
+# Running ahead (rollout.steps_ahead = k > 0, ppo.py's departure 8): read this only if you turn it on
+
+
+@dataclass(frozen=True)
+class Generated:
+    """One step's prompts and their responses, before scoring."""
+    rows: list  # (B/n,) this process's prompts' data rows
+    rollout: Rollout
+    version: int  # the policy version that sampled it: the actor's updates before
+    seconds: float  # the generation's own time
+    data_position: tuple  # (epoch, position) of the data order before these prompts: where a resumed run draws again
+
+
+class RunAhead:
+    """A rollout kind that generates the batches of the next k steps in one background thread (or in turn, with
+    rollout.background=false: the same schedule without overlap) while the loop scores and trains. New weights reach
+    the rollout between two generations, never during one; validation waits for the generation in flight."""
+
+    def __init__(self, backend, cfg_rollout, version: int):
+        """version: the actor's updates so far (a resumed run's too), which the backend's weights hold."""
+        self.backend, self.cfg, self.k, self.version = backend, cfg_rollout, cfg_rollout.steps_ahead, version
+        self.eos_ids, self.queue = backend.eos_ids, deque()  # Futures of Generated, the oldest first
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="rollout") if cfg_rollout.background else None
+
+    def wants(self, step: int, total_steps: int) -> list[int]:
+        """The steps whose prompts to draw now: the queue holds the batches of step … step + k."""
+        return list(range(step + len(self.queue), min(step + self.k, total_steps) + 1))
+
+    def submit(self, data_position: tuple, rows: list, seed: int) -> None:
+        """Generate n responses for each of these prompts, in the thread, from the weights it holds then."""
+        def generate():
+            t0 = time.perf_counter()
+            ro = self.backend.generate(rows, self.cfg.n, self.cfg.temperature, seed=seed)
+            return Generated(rows, ro, self.version, time.perf_counter() - t0, data_position)
+        if self.pool is None:
+            self.queue.append(Future())
+            self.queue[-1].set_result(generate())
+        else:
+            self.queue.append(self.pool.submit(generate))
+
+    def next(self, step: int, times: dict, metrics: dict) -> tuple[list, Rollout]:
+        """The oldest batch's prompt rows and rollout, once generated, its staleness added to `metrics` (lists:
+        rollout/staleness_mean|max) and its seconds to `times`; refused when older than k versions."""
+        with timed(times, "time/gen_wait_s"):
+            got = self.queue.popleft().result()
+        staleness = self.version - got.version
+        check_staleness(staleness, self.k, step)
+        times["time/gen_s"] = times.get("time/gen_s", 0.0) + got.seconds
+        metrics["rollout/staleness_mean"].append(float(staleness))
+        metrics["rollout/staleness_max"].append(float(staleness))
+        return got.rows, got.rollout
+
+    def generate(self, rows: list, n: int, temperature: float, seed: Optional[int] = None) -> Rollout:
+        """Validation's: once no generation is in flight."""
+        self.wait()
+        return self.backend.generate(rows, n, temperature, seed=seed)
+
+    def sync_weights(self, model, version: int) -> None:
+        self.wait()
+        self.backend.sync_weights(model, version)
+        self.version = version
+
+    def wait(self) -> None:
+        for future in self.queue:
+            future.result()
+
+    def rewind(self, saved: dict) -> dict:
+        """A checkpoint's state with the data position of the first batch drawn but not yet trained: a resumed run
+        draws those prompts again, and generates them from the checkpoint's weights."""
+        if self.queue:
+            saved["epoch"], saved["position"] = self.queue[0].result().data_position
+        return saved
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(cancel_futures=True)
+        self.backend.close()
+
+
+def check_staleness(staleness: int, k: int, step: int) -> None:
+    """A batch sampled more than rollout.steps_ahead versions before the policy it would train is never trained."""
+    if not 0 <= staleness <= k:
+        raise RuntimeError(f"the batch of step {step} was sampled {staleness} policy versions before the one it "
+                           f"would train, outside rollout.steps_ahead={k}: refused (a bug in the schedule)")

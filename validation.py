@@ -13,9 +13,9 @@ from collections import Counter
 
 import torch
 
-from agents.multi_turn import generate_for, with_conversations
 from infra.config import ConfigError
 from infra.metrics import reduce_metrics, sum_over_processes
+from infra.rollout_common import with_conversations
 from rewards import decode_responses, one_rule, reward_sources, rule_for, score_on_every_process, score_responses
 
 
@@ -24,7 +24,7 @@ def validate(cfg, rollout, tokenizer, scorer, val_rows, accelerator) -> dict:
     """rollout.val_n responses per validation prompt at rollout.val_temperature (one, greedy, by default), scored:
     validation_metrics. Every validation samples with the run's seed, so that they differ by the policy."""
     k, mine = cfg.rollout.val_n, val_rows[accelerator.process_index::accelerator.num_processes]
-    ro = generate_for(rollout, mine, k, cfg.rollout.val_temperature, seed=cfg.trainer.seed)  # rows: for an env
+    ro = rollout.generate(mine, k, cfg.rollout.val_temperature, seed=cfg.trainer.seed)
     texts = decode_responses(tokenizer, ro)
     sources = sorted({r["data_source"] for r in val_rows})
     rows = with_conversations([r for r in mine for _ in range(k)], ro)  # multi-turn: the reward reads them
@@ -114,7 +114,7 @@ def logged_names(cfg, sources: set, turn_metrics=()) -> set[str]:
     the validation data's sources; with rollout.val_n = k > 1 and a score that is one rule's (rewards.one_rule),
     val/pass@j/mean and val/<data_source>/pass@j for j = 1, 2, 4, … and k, and maj@k (logged where the rule gives
     its answers); with any other score, val/rule_score/mean; with rollout.multi_turn, val/<key> for each
-    key of `turn_metrics` (agent.agent_metrics). With an environment, also val/env/<key> (ENV_INFO) for the
+    key of `turn_metrics` (agents/multi_turn.py's TurnSettings.metric_names). With an environment, also val/env/<key> (ENV_INFO) for the
     numbers in its infos, which no name here can list."""
     k, rule_alone = cfg.rollout.val_n, one_rule(reward_sources(cfg.reward))
     names = {"val/score/mean"} | {f"val/{src}/score" for src in sources}

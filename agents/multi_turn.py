@@ -36,9 +36,8 @@ import torch
 from agents.environments import HostedEnvironment, ToolTemplate
 from agents.tools import MethodEnvironment, ToolEnvironment
 from infra.config import ConfigError
-from infra.distributed import max_over_processes
 from infra.worker import CallFailed
-from rollout import right_pad, Rollout
+from infra.rollout_common import right_pad, Rollout
 
 # ---------------------------------------------------------------------------------------
 # Tool calls, as the model writes them
@@ -152,7 +151,11 @@ class TurnSettings:
     max_turns: int
     max_length: int  # rollout.max_response_length: the whole row
     max_prompt_length: int  # data.max_prompt_length: an environment's first messages
-    environment: object  # environments.HostedEnvironment, or environments_tools' ToolEnvironment, MethodEnvironment
+    environment: object  # environments.HostedEnvironment, or tools.py's ToolEnvironment, MethodEnvironment
+
+    def metric_names(self) -> list[str]:
+        """The agent/* names a rollout logs (validation logs them as val/agent/*)."""
+        return list(agent_metrics([], self.environment.hosted))
 
 
 def turn_seed(seed: Optional[int], turn: int) -> Optional[int]:
@@ -179,18 +182,17 @@ class AgentRollout:
         self.backend.close()
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], n: int, temperature: float, seed: Optional[int] = None,
-                 max_tokens: Optional[list[int]] = None, rows: Optional[list[dict]] = None) -> Rollout:
-        """rows: the prompts' data rows, which the environment's reset reads (generate_for passes them)."""
-        s, env = self.s, self.s.environment
+    def generate(self, rows: list[dict], n: int, temperature: float, seed: Optional[int] = None) -> Rollout:
+        """rows: the prompts' data rows, which the environment's reset reads."""
+        s, env, prompts = self.s, self.s.environment, [row["prompt_ids"] for row in rows]
         episodes = [Episode(p, i * n + j) for i, p in enumerate(prompts) for j in range(n)]  # sample j of prompt i
-        self.reset(episodes, [row for row in rows or [{"prompt_ids": p} for p in prompts] for _ in range(n)])
+        self.reset(episodes, [row for row in rows for _ in range(n)])
         try:
             if all(e.prompt is prompts[e.index // n] for e in episodes):
-                first = self.backend.generate(prompts, n, temperature, seed=seed, max_tokens=max_tokens)
+                first = self.backend.generate(rows, n, temperature, seed=seed)
             else:  # the environment wrote its own first messages
-                first = self.backend.generate([e.prompt for e in episodes], 1, temperature, seed=seed,
-                                              max_tokens=max_tokens and [b for b in max_tokens for _ in range(n)])
+                first = self.backend.generate([{**rows[e.index // n], "prompt_ids": e.prompt} for e in episodes], 1,
+                                              temperature, seed=seed)
             self.add_turns(episodes, first)
             for turn in range(2, s.max_turns + 2):
                 self.answer([e for e in episodes if e.fresh and e.error is None], last=turn > s.max_turns)
@@ -200,9 +202,9 @@ class AgentRollout:
                     break
                 stand_ins = count - len(waiting)
                 stand_in = prompts[0] if prompts else [self.tokenizer.pad_token_id]  # this process may have none
-                contexts = [e.prompt + e.tokens for e in waiting] + [stand_in] * stand_ins
-                budgets = [s.max_length - len(e.tokens) for e in waiting] + [1] * stand_ins
-                out = self.backend.generate(contexts, 1, temperature, seed=turn_seed(seed, turn), max_tokens=budgets)
+                contexts = [{"prompt_ids": e.prompt + e.tokens, "max_tokens": s.max_length - len(e.tokens)}
+                            for e in waiting] + [{"prompt_ids": stand_in, "max_tokens": 1}] * stand_ins
+                out = self.backend.generate(contexts, 1, temperature, seed=turn_seed(seed, turn))
                 self.add_turns(waiting, out)
         finally:
             env.end()
@@ -326,16 +328,14 @@ def agent_metrics(episodes: list[Episode], hosted: bool) -> dict:
 
 
 # ---------------------------------------------------------------------------------------
-# What ppo.py calls
+# What rollout.py calls
 
 
-def check_multi_turn(cfg, tokenizer) -> Optional[TurnSettings]:
-    """Before any model loads: the environment's class (or the tools) imported in its worker process and checked,
-    the chat template able to write messages; None when rollout.multi_turn is off. The settings hold the started
-    environment (closed by AgentRollout.close)."""
+def check_multi_turn(cfg, tokenizer) -> TurnSettings:
+    """Before any model loads, with rollout.multi_turn on: the environment's class (or the tools) imported in its
+    worker process and checked, the chat template able to write messages. The settings hold the started environment
+    (closed by AgentRollout.close)."""
     m = cfg.rollout.multi_turn
-    if not m.enable:
-        return None
     if bool(m.tools) == bool(m.env):
         raise ConfigError("rollout.multi_turn.enable=true needs tools (rollout.multi_turn.tools=[path/to/file.py:fn]) "
                           "or an environment (rollout.multi_turn.env=path/to/file.py:Class), not both")
@@ -353,36 +353,3 @@ def check_multi_turn(cfg, tokenizer) -> Optional[TurnSettings]:
             environment = MethodEnvironment(environment, PARSERS[m.format], m.max_tool_response_length,
                                             m.max_calls_per_turn)
     return TurnSettings(m.max_turns, cfg.rollout.max_response_length, cfg.data.max_prompt_length, environment)
-
-
-def with_tools(backend, settings: Optional[TurnSettings], tokenizer):
-    """`backend` itself, or with rollout.multi_turn on (settings from check_multi_turn), an AgentRollout around it
-    whose turns are counted over every process."""
-    return backend if settings is None else AgentRollout(backend, tokenizer, settings, max_over_processes)
-
-
-def generate_for(rollout, rows: list[dict], n: int, temperature: float, seed: Optional[int] = None) -> Rollout:
-    """rollout.generate on the rows' prompts; an AgentRollout gets the rows too, which its environment's reset
-    reads."""
-    prompts = [row["prompt_ids"] for row in rows]
-    if isinstance(rollout, AgentRollout):
-        return rollout.generate(prompts, n, temperature, seed=seed, rows=rows)
-    return rollout.generate(prompts, n, temperature, seed=seed)
-
-
-def with_conversations(rows: list[dict], ro: Rollout) -> list[dict]:
-    """rows with each sample's conversation under "conversation" (the reward's extra_info: rewards.py), when the
-    rollout had turns, and the prompt an environment wrote in place of the row's."""
-    if ro.conversations is None:
-        return rows
-    if ro.prompts is not None:  # an environment wrote them: the batch's queries
-        rows = [{**row, "prompt_ids": p, "prompt_text": c["prompt_text"]} for row, p, c in
-                zip(rows, ro.prompts, ro.conversations)]
-    return [{**row, "conversation": c} for row, c in zip(rows, ro.conversations)]
-
-
-def transcript(row: dict, text: str) -> str:
-    """The sample table's response: every turn and tool answer, joined by ⟶, or the response itself."""
-    if "conversation" not in row:
-        return text
-    return " ⟶ ".join(m["content"] for m in row["conversation"]["turns"])

@@ -100,6 +100,21 @@ def console_line(metrics: dict, keys: list) -> str:
     return "  ".join(f"{k} {metrics[k]:.4g}" for k in keys if k in metrics)
 
 
+def shown_samples(samples, count: int) -> list[tuple]:
+    """`count` samples spread over the batch (infra.rollout_common.Samples) as sample_table's rows: the prompt's end,
+    the response (with multi-turn its transcript: every turn and tool answer, joined by ⟶), its score, and the
+    judge's answer where a judge scored it."""
+    shown = list(range(0, len(samples.rows), max(1, len(samples.rows) // count)))[:count]
+    return [(samples.rows[i]["prompt_text"][-40:], transcript(samples.rows[i], samples.texts[i]),
+             samples.scores[i].item(), samples.extras[i].get("judge_answer", "")) for i in shown]
+
+
+def transcript(row: dict, text: str) -> str:
+    if "conversation" not in row:
+        return text
+    return " ⟶ ".join(m["content"] for m in row["conversation"]["turns"])
+
+
 def sample_table(rows: list[tuple]) -> str:
     """A plain-text table of (prompt, response, score[, judge]) rows, newlines shown as ⏎; the judge's answers
     (a judge among reward.sources) get a column when any row has one."""

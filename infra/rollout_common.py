@@ -1,6 +1,6 @@
-"""What every rollout backend shares (rollout.py's kinds, rollout_kinds/server.py's, agents/multi_turn.py's loop): the Rollout record
-they return, padded token rows, where a response ends, each prompt's sampling seed, and the policy's weights streamed
-whole for an engine or a server to load."""
+"""What every rollout kind shares (rollout.py's, rollout_kinds/server.py's, agents/multi_turn.py's loop): the Rollout
+record they return and the Samples that step 3 makes of it, padded token rows, where a response ends, each prompt's
+sampling seed and budget, and the policy's weights streamed whole for an engine or a server to load."""
 import random
 from dataclasses import dataclass, field
 from typing import Optional
@@ -23,6 +23,74 @@ class Rollout:
     #                                               (agents/multi_turn.py), added to the scorers' (sampling.py); None: none
     prompts: Optional[list[list[int]]] = None  # (B·n,) the prompt ids each row began from, where an environment
     #                                            wrote its own first messages (agents/multi_turn.py); None: the rows' own
+
+
+@dataclass
+class Samples:
+    """Prompts with their n responses and scores: row i·n + j is sample j of the prompt rows[i·n]."""
+    rows: list  # (B,) the prompts' data rows, each n times
+    responses: torch.Tensor  # (B, Tr) right-padded
+    response_mask: torch.Tensor  # (B, Tr)
+    rollout_logprobs: Optional[torch.Tensor]  # (B, Tr) the sampler's, or None
+    texts: list  # (B,) the decoded responses
+    scores: torch.Tensor  # (B,) the task scores, length shaping included
+    truncated: torch.Tensor  # (B,) bool: cut off at rollout.max_response_length without EOS
+    attention_mask: Optional[torch.Tensor] = None  # (B, Tr) multi-turn: 1 on the tool answers too (Rollout's)
+    token_rewards: Optional[torch.Tensor] = None  # (B, Tr) the scorers' and the rollout's token rewards, or None
+    extras: list = field(default_factory=list)  # (B,) per sample, the scorers' rewards.Scores.extras ("pred" …)
+
+    def as_batch(self, pad_id: int) -> dict:
+        """ppo.py's batch of step 2: queries and query_mask (B, Tq), left-padded; responses, response_mask and, where
+        the sampler gave them, rollout_logprobs (B, Tr); with multi-turn response_attention_mask (B, Tr)."""
+        queries, query_mask = left_pad([row["prompt_ids"] for row in self.rows], pad_id)  # (B, Tq)
+        batch = dict(queries=queries, query_mask=query_mask, responses=self.responses, response_mask=self.response_mask)
+        if self.rollout_logprobs is not None:
+            batch["rollout_logprobs"] = self.rollout_logprobs
+        if self.attention_mask is not None:  # multi-turn: the tool answers, which the forwards attend to
+            batch["response_attention_mask"] = self.attention_mask
+        return batch
+
+    def take(self, rows: list[int]) -> "Samples":
+        return Samples(*[None if v is None else [v[i] for i in rows] if isinstance(v, list) else v[rows]
+                         for v in vars(self).values()])
+
+    @staticmethod
+    def cat(parts: list, pad_id: int) -> "Samples":
+        """All rows of `parts`, in order; the (B, Tr) tensors right-padded to the longest (masks, logprobs with 0)."""
+        T = max(p.responses.shape[1] for p in parts)
+
+        def padded(name, value):  # a part without token rewards has zeros where another has some
+            tensors = [getattr(p, name) for p in parts]
+            if all(x is None for x in tensors):
+                return None
+            tensors = [torch.zeros(p.responses.shape) if x is None else x for p, x in zip(parts, tensors)]
+            return torch.cat([torch.nn.functional.pad(x, (0, T - x.shape[1]), value=value) for x in tensors])
+        return Samples([row for p in parts for row in p.rows], padded("responses", pad_id),
+                       padded("response_mask", 0), padded("rollout_logprobs", 0.0), [x for p in parts for x in p.texts],
+                       torch.cat([p.scores for p in parts]), torch.cat([p.truncated for p in parts]),
+                       padded("attention_mask", 0), padded("token_rewards", 0.0), [x for p in parts for x in p.extras])
+
+
+def add_token_rewards(a, b):
+    """The sum of two optional token-reward tensors (B, Tr): None when both are."""
+    return a if b is None else b if a is None else a + b
+
+
+def with_conversations(rows: list[dict], ro: Rollout) -> list[dict]:
+    """rows with each sample's conversation under "conversation" (the reward's extra_info: rewards.py), when the
+    rollout had turns, and the prompt an environment wrote in place of the row's."""
+    if ro.conversations is None:
+        return rows
+    if ro.prompts is not None:  # an environment wrote them: the batch's queries
+        rows = [{**row, "prompt_ids": p, "prompt_text": c["prompt_text"]} for row, p, c in
+                zip(rows, ro.prompts, ro.conversations)]
+    return [{**row, "conversation": c} for row, c in zip(rows, ro.conversations)]
+
+
+def prompts_and_budgets(rows: list[dict], max_length: int) -> tuple[list[list[int]], list[int]]:
+    """The rows' prompt ids, and each one's token budget: its "max_tokens" (a later turn's, agents/multi_turn.py) or
+    max_length (rollout.max_response_length)."""
+    return [row["prompt_ids"] for row in rows], [row.get("max_tokens", max_length) for row in rows]
 
 
 def right_pad(seqs: list[list], pad, dtype=torch.long) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,6 +15,13 @@ from infra.manifests import changed_base, checkpoint_problem
 from infra.runs import BEST, best_step, on_rank0, resume_or_start, run_bases, save_checkpoint
 
 
+def step_seed(seed: int, step: int, stream: int) -> int:
+    """The seed of one random stream of one step: seed·100_003 + step·1_009 + stream, with two primes so that no
+    two (seed, step) pairs give the same number. stream: the process index + round × processes for sampling (round:
+    dynamic sampling's, 0 without), −1 for the mini-batch order (the same on every process)."""
+    return seed * 100_003 + step * 1_009 + stream
+
+
 class TrainState:
     """What a checkpoint of ppo.py needs beyond weights and optimiser states, as plain data: the step, the data
     position, β (kl_ctrl: kl.KLController), recent KL, how far each LR schedule has gone, the best validation and

@@ -33,8 +33,8 @@ from safetensors.torch import save_file
 from infra.batches import autocast_dtype
 from infra.config import ConfigError
 from infra.distributed import whole
-from infra.rollout_common import (cut_at_eos, eos_ids_of, kv_cache_bytes, policy_weights, prompt_seeds, right_pad,
-                                   Rollout)
+from infra.rollout_common import (cut_at_eos, eos_ids_of, kv_cache_bytes, policy_weights, prompt_seeds,
+                                   prompts_and_budgets, right_pad, Rollout)
 
 SERVED_NAME = "policy"  # the name the child serves model.path under
 
@@ -240,11 +240,9 @@ class ServerRollout:
         self.model_name = self.client.base
         self.sync_weights(model)  # so that a LoRA or resumed actor is what it samples from
 
-    def generate(self, prompts: list[list[int]], n: int, temperature: float, seed: Optional[int] = None,
-                 max_tokens: Optional[list[int]] = None) -> Rollout:
-        """max_tokens: each prompt's budget (agents/multi_turn.py's later turns); rollout.max_response_length when None."""
+    def generate(self, rows: list[dict], n: int, temperature: float, seed: Optional[int] = None) -> Rollout:
         cfg, greedy = self.cfg, temperature == 0
-        budgets = max_tokens or [cfg.max_response_length] * len(prompts)
+        prompts, budgets = prompts_and_budgets(rows, cfg.max_response_length)
         requests = [dict(model=self.model_name, prompt=p, n=1 if greedy else n, temperature=temperature,
                          top_p=cfg.top_p, top_k=max(cfg.top_k, 0), max_tokens=budget,
                          stop_token_ids=sorted(self.eos_ids), min_tokens=budget if cfg.ignore_eos else 0,  # as HF's
