@@ -1,6 +1,6 @@
-"""verl 0.9.1's default_compute_score: each row's data_source routed to its rule (BUILTIN_SCORES; README.md "Rewards"
-has the table). verl's names go to verl's own rules, ported with their quirks (verl_rules.py, verl_prime_math.py) so
-that a response scores exactly as in verl; this library's own, more lenient rules (library.py: gsm8k, boxed,
+"""verl 0.9.1's default_compute_score: each row's data_source routed to its rule (the table BUILTIN_SCORES, and
+rule_for's prefixes). verl's names go to verl's own rules, ported with their quirks (verl_rules.py, verl_prime_math.py)
+so that a response scores exactly as in verl; this library's own, more lenient rules (library.py: gsm8k, boxed,
 arithmetic) under their own names; reasoning_gym/<task> to that task's score_answer (reasoning_gym_rules.py).
 verl's code, search-tool and image routes are not built in (NOT_BUILT_IN): rewards.check_data_sources stops such a
 run at start-up.

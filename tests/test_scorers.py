@@ -1,4 +1,4 @@
-"""Issue 31: the scorer table (scorers.py) and its Scores, reward.sources with weights and the old reward.type, a new
+"""Issue 31: the scorer table (rewards.SCORERS) and its Scores, reward.sources with weights and the old reward.type, a new
 scorer in one class and one line, step rewards on the tokens that end each step and what they do to the advantages,
 a remote reward server in OpenRLHF's format and its failure modes, and on-policy distillation's teacher."""
 import json
