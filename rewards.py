@@ -99,7 +99,7 @@ class Scorer:
         return Scores(total, token_rewards, extras, metrics)
 
 
-# ---- The rule and the function, and the table of scorers
+# ---- the rule and the function, and the table of scorers
 
 
 class RuleScorer:
@@ -231,7 +231,7 @@ def rule_needing_truth(data_source, cfg_reward):
     return None if rule is None else f"{rule.__module__.split('.')[-1]}.{rule.__name__}"
 
 
-# ---- A reward function, called as verl calls it
+# ---- a reward function, called as verl calls it
 
 
 def load_reward_function(spec, timeout_s: float, stop=None, pool: Pool = Pool()):
