@@ -1,21 +1,15 @@
-"""Rule rewards with verl's signature: compute_score(data_source, solution_str, ground_truth, extra_info=None).
-
-`default_compute_score` routes each row's data_source as verl 0.9.1 does (BUILTIN_SCORES; README.md "Rewards" has
-the table): verl's names to verl's own rules, ported with their quirks in reward_rules/ (verl_rules.py, verl_prime_math.py) so
-that a response scores exactly as in verl, and this library's own, more lenient rules (gsm8k, boxed, arithmetic)
-under their own names.
-verl's code, search-tool and image routes are not built in: check_data_sources stops such a run at start-up.
+"""Step 3, score: each response's task score, Σ_s w_s · score_s over reward.sources with reward.weights (Scorer). Each
+source is one line of SCORERS, built as SCORERS[name](cfg_reward, setup), called as scorer(rows, texts, ro) → Scores:
+here rule (the built-in rules, routed by data_source as verl routes them: reward_rules/routing.py) and function (your
+reward.function); a reward model, an LLM judge and a reward server live in scorers/, named only on their lines.
 
 A custom function is `reward.function=path/to/file.py:name`; verl reward files work unchanged, `async def` ones
 included. A function may return a number, or a dict with "score" and other numbers to log. It runs in a worker
 pool of reward.max_concurrency worker processes (infra/worker.py), each call limited to reward.timeout_s and each
 batch to reward.max_timeouts timed-out calls: a call that hangs, raises, calls sys.exit, or ends or kills its worker
 is an error for its sample (reward/errors), never the end of the run; so is a score that is not finite or beyond
-±reward.max_abs_score. Besides "score" it may return step rewards, "step_rewards": [r_1, …] with "step_ends":
-[c_1, …], the character offsets in solution_str where each step ends: r_k then lands on the response token whose text
-holds character c_k − 1 (step_token_rewards), as a process reward model's would.
-
-What every scorer returns (each scorer is one line of SCORERS, below) is a `Scores`.
+±reward.max_abs_score. Besides "score" it may return step rewards, "step_rewards" with "step_ends", which land on
+the tokens that end the steps (scorers/steps.py), as a process reward model's would.
 """
 import asyncio
 import functools
@@ -35,216 +29,9 @@ from infra.config import ConfigError, load_target
 from infra.rollout_common import add_token_rewards, cut_off, Samples, with_conversations
 from infra.runs import Interrupted
 from infra.worker import CallFailed, FunctionWorker, Pool, WorkerStartError
-from reward_rules import reasoning_gym_rules, verl_prime_math, verl_rules
-from reward_rules.library import arithmetic_score, boxed_score, gsm8k_score
+from reward_rules.routing import default_compute_score, KNOWN, rule_for, without_rule
 
-
-# ---- dispatch by data_source, as verl's default_compute_score
-def environment_score(solution_str: str, ground_truth: str) -> float:
-    """data_source "environment": rows an environment scores alone with its turns' rewards (rollout.multi_turn.env,
-    agents/environments.py), which the Sampler adds at their tokens; verifiers/<env> (its rubric, paid by the environment
-    at the last turn: agents/verifiers.py) too; the rule adds 0."""
-    return 0.0
-
-
-NUMINA = ["numina_aops_forum", "numina_synthetic_math", "numina_amc_aime", "numina_synthetic_amc", "numina_cn_k12",
-          "numina_olympiads"]
-BUILTIN_SCORES = {
-    "openai/gsm8k": verl_rules.gsm8k,
-    **dict.fromkeys(["lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500"],
-                    verl_rules.hendrycks_math),
-    **dict.fromkeys(["math_dapo", "math", "math_dapo_reasoning"], verl_rules.dapo),  # and every aime*
-    **dict.fromkeys(NUMINA, verl_prime_math.prime_math),
-    "gsm8k": gsm8k_score, "boxed": boxed_score, "arithmetic": arithmetic_score,  # this library's own
-    "environment": environment_score,
-}
-KNOWN = ", ".join([s for s in BUILTIN_SCORES if s not in NUMINA]
-                  + ["aime*", "numina_*", "reasoning_gym/*", "verifiers/*"])  # for error messages
-NOT_BUILT_IN = {  # why a source has no rule here: verl needs more than a rule for these
-    **dict.fromkeys(["codecontests", "apps", "codeforces", "taco"], "verl runs the code in a sandbox"),
-    "hiyouga/geometry3k": "an image task verl scores with mathruler",
-    "unknown": "rows with no data_source, as data.py names them",
-    **{f"searchR1_{name}": "verl's search-tool task" for name in
-       ["nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle"]},
-}
-
-
-def rule_for(data_source):
-    """The built-in rule for data_source (aime* by prefix, as verl; reasoning_gym/<task> by prefix: the task's own
-    score_answer; verifiers/<env>: 0, the environment pays its rubric); None when there is none."""
-    if data_source in BUILTIN_SCORES:
-        return BUILTIN_SCORES[data_source]
-    if isinstance(data_source, str) and data_source.startswith("reasoning_gym/"):
-        return reasoning_gym_rules.reasoning_gym_score
-    if isinstance(data_source, str) and data_source.startswith("verifiers/"):  # the rubric: the environment's reward
-        return environment_score
-    return verl_rules.dapo if isinstance(data_source, str) and data_source.startswith("aime") else None
-
-
-def rule_needing_truth(data_source, cfg_reward):
-    """For data.py's check at start-up: the name of the built-in rule that will compare data_source's responses with
-    their ground truth, or None (no source rule: a reward model, a judge or your function may need none)."""
-    if "rule" not in dict(reward_sources(cfg_reward)):
-        return None
-    rule = rule_for(data_source)
-    return None if rule is None else f"{rule.__module__.split('.')[-1]}.{rule.__name__}"
-
-
-def default_compute_score(data_source, solution_str, ground_truth, extra_info=None, sandbox_fusion_url=None,
-                          concurrent_semaphore=None, memory_limit_mb=None, **kwargs):
-    """verl's default_compute_score: the rule for data_source gives what verl's gives (a float, or DAPO's
-    {"score", "acc", "pred"} dict). An unknown data_source, or a null ground truth, is a ValueError (an error)."""
-    rule = rule_for(data_source)
-    if rule is None:
-        raise ValueError(f"no built-in reward for data_source {data_source!r}; known: {KNOWN}. "
-                         f"Write a function compute_score(data_source, solution_str, ground_truth, extra_info=None) "
-                         f"and set reward.function=path/to/file.py:name")
-    if ground_truth is None:
-        raise ValueError(f"the row (data_source {data_source!r}) has no ground truth to compare with")
-    return rule(solution_str, ground_truth)
-
-
-def check_data_sources(sources, reward_cfg) -> None:
-    """At start-up: a ConfigError naming every data_source no rule scores, when the source rule (the built-ins) is
-    one of reward.sources: they handle those in BUILTIN_SCORES and aime*."""
-    if "rule" not in dict(reward_sources(reward_cfg)):
-        return
-    missing = sorted({s for s in sources if rule_for(s) is None}, key=str)
-    if missing:
-        named = ", ".join(repr(s) + (f" ({NOT_BUILT_IN[s]})" if s in NOT_BUILT_IN else "") for s in missing)
-        raise ConfigError(f"the data has data_source values with no built-in reward: {named}; score them with your "
-                          f"own compute_score(data_source, solution_str, ground_truth, extra_info=None) by setting "
-                          f"reward.function=path/to/file.py:compute_score (built in: {KNOWN})")
-
-
-def load_reward_function(spec, timeout_s: float, stop=None, pool: Pool = Pool()):
-    """None → default_compute_score, called in this process; "path/to/file.py:name" (name defaults to
-    compute_score, as in verl) → a FunctionWorker running that function in pool.max_concurrency processes, each call
-    limited to timeout_s and a batch to pool.max_timeouts timed-out calls (`stop`: runs.StopSignal, so that a
-    preempted run does not wait for a hung call longer than that)."""
-    if not spec:
-        return default_compute_score
-    path, sep, name = spec.rpartition(":")
-    if not sep:
-        path, name = spec, "compute_score"
-    if not os.path.isfile(path):
-        raise ConfigError(f"reward.function: file {path} does not exist (expected path/to/file.py:function_name)")
-    try:
-        return FunctionWorker(path, name, timeout_s, stop, pool)
-    except WorkerStartError as e:
-        raise ConfigError(f"reward.function: {e}") from None
-
-
-class RewardError(ConfigError):
-    """The reward function failed on every sample of a batch: training on would learn from zeros."""
-
-
-def as_score(result, max_abs_score: float = math.inf) -> tuple[float, dict]:
-    """(score, extras) from a function's return: a finite number within ±max_abs_score (reward.max_abs_score), or a
-    dict whose "score" is one; extras are its other numbers, and its "pred" as text where it has one (verl's DAPO
-    rule: the answer it read, for maj@k). Beyond the bound is an error: 1e308 is inf in float32."""
-    if isinstance(result, BaseException):  # raised inside an async function, returned by asyncio.gather
-        raise result
-    extras = {}
-    if isinstance(result, dict):
-        if "score" not in result:
-            raise ValueError(f"a reward dict must carry 'score', got keys {sorted(result)}")
-        extras = {k: float(v) for k, v in result.items() if k != "score" and isinstance(v, numbers.Real)}
-        extras.update({"pred": str(result["pred"])} if "pred" in result else {})
-        result = result["score"]
-    if isinstance(result, (str, bytes)) or result is None:
-        raise TypeError(f"a reward function must return a number or a dict, got {result!r}")
-    score = float(result)
-    if not math.isfinite(score):
-        raise ValueError(f"the reward is {score}, not a finite number")
-    if abs(score) > max_abs_score:
-        raise ValueError(f"the reward is {score:g}, beyond reward.max_abs_score={max_abs_score:g}")
-    return score, extras
-
-
-def call_all(compute_score, calls: list[dict]) -> list:
-    """compute_score(**kwargs) for each call: its result, or the exception it raised. An `async def` function is
-    awaited for the whole batch at once (asyncio.gather), as verl's reward loop runs it."""
-    if not inspect.iscoroutinefunction(compute_score):
-        results = []
-        for kwargs in calls:
-            try:
-                results.append(compute_score(**kwargs))
-            except Exception as e:
-                results.append(e)
-        return results
-
-    async def one(kwargs):
-        return await compute_score(**kwargs)
-
-    async def batch():
-        return await asyncio.gather(*(one(kwargs) for kwargs in calls), return_exceptions=True)
-    return asyncio.run(batch())
-
-
-def score_responses(compute_score, rows: list[dict], responses: list[str],
-                    max_abs_score: float = math.inf) -> tuple[list[float], dict, int]:
-    """Score each (row, response) with compute_score(data_source=, solution_str=, ground_truth=, extra_info=),
-    by keyword as verl calls it (a function here, or a FunctionWorker's in its processes); returns (scores, extras:
-    each extra numeric dict key's values, errors). A call that raises, times out, ends its worker, is not run (its
-    batch reached reward.max_timeouts) or returns something unusable (None, a string, a dict without "score", NaN,
-    inf, beyond ±max_abs_score) scores 0.0 and counts as an error, warned once; when every call fails, RewardError
-    stops the run rather than train on zeros.
-    """
-    if len(rows) != len(responses):
-        raise ValueError(f"score_responses got {len(rows)} rows but {len(responses)} responses")
-    # extra_info gets what verl's reward loop adds (reward_loop/reward_manager/naive.py): num_turns, counted as its
-    # agent loops count (the prompt, each assistant turn, each round of tool answers: 2 for a prompt and one
-    # response), and rollout_reward_scores = {} (no rollout-time scores here); from a multi-turn rollout (agents/multi_turn.py)
-    # also the turns (the messages after the prompt), the tool_calls and their tool_results
-    calls = [dict(data_source=row["data_source"], solution_str=response, ground_truth=row["ground_truth"],
-                  extra_info={**(row.get("extra_info") or {}), **(row.get("conversation") or {"num_turns": 2}),
-                              "rollout_reward_scores": {}})
-             for row, response in zip(rows, responses)]
-    scores, extras, errors, first = [], {}, 0, None
-    results = compute_score.call_all(calls) if isinstance(compute_score, FunctionWorker) else call_all(compute_score,
-                                                                                                        calls)
-    for result in results:
-        try:
-            score, more = as_score(result, max_abs_score)
-        except Exception as e:
-            score, more, errors = 0.0, {}, errors + 1
-            first = first or (str(e) if isinstance(e, CallFailed) else f"{type(e).__name__}: {e}")
-        scores.append(score)
-        for key, value in more.items():
-            extras.setdefault(key, []).append(value)
-    if errors and errors == len(rows):
-        raise RewardError(f"the reward function failed on all {errors} samples of a batch, so training would "
-                          f"learn from zeros; the first error: {first}")
-    if errors:
-        warnings.warn(f"reward function failed on {errors}/{len(rows)} samples (scored 0.0); first: {first}")
-    return scores, extras, errors
-
-
-def score_on_every_process(score: Callable, accelerator):
-    """score() → Scores, on all processes together: when the reward fails on every sample of any process's batch
-    (RewardError), every process raises it, with the failing process's message; when a stop signal could not wait
-    for a reward call on any process (runs.Interrupted), every process raises that. Raised on that process alone,
-    either would leave the others waiting for it at their next collective."""
-    error, interrupted, scores = None, None, None
-    try:
-        scores = score()
-    except RewardError as e:
-        error = str(e)
-    except Interrupted as e:
-        interrupted = e
-    flags = torch.tensor([float(error is not None), float(interrupted.signum if interrupted else 0)])
-    failed, signum = accelerator.reduce(flags.to(accelerator.device), "max").tolist()
-    if signum:
-        raise interrupted or Interrupted(int(signum), "while a reward call of another process was still running; "
-                                                      "this step is not saved, the last checkpoint is kept")
-    if failed:
-        raise RewardError(next(message for message in gather_object([error]) if message))
-    return scores
-
-
-# ---- what every scorer returns, and which scorers a run adds up
-
+# ---- what every scorer returns, and what it is built with
 
 @dataclass
 class Scores:
@@ -258,6 +45,119 @@ class Scores:
 
     def __post_init__(self):
         self.extras = self.extras or [{} for _ in range(len(self.scores))]
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What a scorer may need from the run, bound once."""
+    device: torch.device  # where a reward model runs
+    dtype: Optional[torch.dtype]  # its autocast dtype (None: fp32)
+    tokenizer: object = None  # the policy's: it maps a function's step rewards to tokens; None: texts only
+    trust_remote_code: bool = False  # model.trust_remote_code, for the reward model's folder
+    stop: object = None  # runs.StopSignal, which a hung reward.function call holds up ≤ reward.timeout_s
+
+
+# ---- Step 3: the weighted sum of the run's reward.sources
+
+
+class Scorer:
+    """The task score of each response: Σ_s w_s · score_s over the run's reward.sources s with their reward.weights
+    (token rewards weighted alike), each source's mean logged as reward/<source>/mean."""
+
+    def __init__(self, cfg_reward, device, dtype, *, tokenizer=None, trust_remote_code: bool = False, stop=None):
+        """`tokenizer`: the policy's (step rewards land on its tokens; None: texts only); `trust_remote_code`:
+        model.trust_remote_code, for the reward model's folder; `stop`: runs.StopSignal."""
+        self.sources = reward_sources(cfg_reward)  # [(name, weight)]
+        setup = Setup(torch.device(device), dtype, tokenizer, trust_remote_code, stop)
+        self.scorers = {name: load_target(SCORERS[name])(cfg_reward, setup) for name, _ in self.sources}
+        # the score is one rule's at weight 1: pass@k and maj@k read it; else validation also logs the task's rule on
+        # the same answers (val/rule_score/mean: does what a reward model, judge or server likes score?), which is
+        # reward.function where it is set (its worker shared), else the built-ins
+        self.is_rule = one_rule(self.sources)
+        self.custom_rule = bool(cfg_reward.function)  # the task's rule is reward.function, which scores every row
+        self.task_rule = None if self.is_rule else (
+            self.scorers["function"].worker if "function" in self.scorers else reward_function(cfg_reward, stop))
+        self.max_abs_score = cfg_reward.max_abs_score
+
+    @classmethod
+    def from_config(cls, cfg, device, tokenizer, stop):
+        """ppo.py's: cfg.reward's sources, a reward model under model.dtype's autocast."""
+        return cls(cfg.reward, device, autocast_dtype(cfg.model.dtype), tokenizer=tokenizer,
+                   trust_remote_code=cfg.model.trust_remote_code, stop=stop)
+
+    def __call__(self, rows: list[dict], texts: list[str], ro=None) -> Scores:
+        total, token_rewards, metrics = torch.zeros(len(texts)), None, {}  # (B,)
+        extras = [{} for _ in texts]
+        for name, weight in self.sources:
+            got = self.scorers[name](rows, texts, ro)
+            total += weight * got.scores.float().cpu()
+            if got.token_rewards is not None:
+                token_rewards = weight * got.token_rewards + (0 if token_rewards is None else token_rewards)  # (B, Tr)
+            for mine, theirs in zip(extras, got.extras):
+                mine.update(theirs)
+            for key, value in got.metrics.items():  # two sources' errors add up
+                metrics[key] = metrics.get(key, 0.0) + value if key.endswith("errors") else value
+            metrics[f"reward/{name}/mean"] = got.scores.float().mean().item()
+        return Scores(total, token_rewards, extras, metrics)
+
+
+# ---- the rule and the function, and the table of scorers
+
+
+class RuleScorer:
+    """The built-in rules by data_source (default_compute_score), in this process."""
+
+    def __init__(self, cfg_reward, setup: Setup):
+        self.fn, self.max_abs_score = default_compute_score, cfg_reward.max_abs_score
+
+    def __call__(self, rows: list[dict], texts: list[str], ro=None) -> Scores:
+        return rule_scores(*score_responses(self.fn, rows, texts, self.max_abs_score))
+
+
+def rule_scores(scores: list, extras: dict, errors: int) -> Scores:
+    """read_scores' answer as Scores: reward/errors, reward/<key> for each number the rule returned beside its
+    score, and per sample the answer it read ("pred", verl's DAPO rule; maj@k reads it) where every sample has one."""
+    preds = extras.get("pred", [])
+    metrics = {"reward/errors": float(errors), **{f"reward/{key}": sum(values) / len(values)
+                                                  for key, values in extras.items() if values and key != "pred"}}
+    per_sample = [{"pred": p} for p in preds] if len(preds) == len(scores) else None
+    return Scores(torch.tensor(scores, dtype=torch.float32), extras=per_sample, metrics=metrics)
+
+
+def reward_function(cfg_reward, stop=None):
+    """reward.function in reward.max_concurrency worker processes, each call bounded by reward.timeout_s and a batch by
+    reward.max_timeouts timed-out calls (load_reward_function); the built-in rules where it is unset."""
+    pool = Pool(cfg_reward.max_concurrency, cfg_reward.max_timeouts)
+    return load_reward_function(cfg_reward.function, cfg_reward.timeout_s, stop, pool)
+
+
+class FunctionScorer:
+    """reward.function in its worker processes (load_reward_function): the scores of its raw results (read_scores), and
+    the step rewards they carry ("step_rewards", "step_ends") as token rewards at the tokens that end the steps."""
+
+    def __init__(self, cfg_reward, setup: Setup):
+        self.worker = reward_function(cfg_reward, setup.stop)
+        self.tokenizer, self.max_abs_score = setup.tokenizer, cfg_reward.max_abs_score
+
+    def __call__(self, rows: list[dict], texts: list[str], ro=None) -> Scores:
+        results = call_reward(self.worker, verl_calls(rows, texts))  # (B,) each a return value or an exception
+        scores = rule_scores(*read_scores(results, self.max_abs_score))
+        if ro is not None and self.tokenizer is not None:  # step rewards, where the function returns them
+            scores.token_rewards, metrics = load_target(STEP_REWARDS)(self.tokenizer, ro, results)  # (B, Tr)
+            scores.metrics.update(metrics)
+        return scores
+
+
+# reward.sources' names → scorer (a feature folder's as "module:name", imported only by a run that names it)
+SCORERS = {"rule": RuleScorer, "function": FunctionScorer, "model": "scorers.model:RewardModelScorer.from_config",
+           "judge": "scorers.judge:JudgeScorer", "remote": "scorers.remote:RemoteScorer"}
+STEP_REWARDS = "scorers.steps:step_rewards"  # a function's step rewards → (token rewards, metrics), imported on use
+# a source's check before any model loads (cfg_reward, trust_remote_code), where it has one
+CHECKS = {"model": "scorers.model:check_model_source", "judge": "scorers.judge:check_judge_source",
+          "remote": "scorers.remote:check_remote_source"}
+
+
+# ---- reward.sources, and the checks at start-up
 
 
 OLD_TYPES = {"rule": None, "model": ["model"], "judge": ["judge"], "both": "reward.sources=[rule,model]",
@@ -301,6 +201,152 @@ def one_rule(sources: list) -> bool:
     return len(sources) == 1 and sources[0] in (("rule", 1.0), ("function", 1.0))
 
 
+def check_reward_inputs(cfg_reward, trust_remote_code: bool = False) -> None:
+    """Before any model loads: reward.sources and reward.weights agree and name scorers, reward.function imports,
+    and each source's inputs are there (CHECKS)."""
+    for name, _ in reward_sources(cfg_reward):
+        if name not in SCORERS:
+            raise ConfigError(f"reward.sources: {name!r} is not one of {', '.join(SCORERS)}")
+    if cfg_reward.function:  # it imports (once, in a worker, which then stops)
+        load_reward_function(cfg_reward.function, cfg_reward.timeout_s).close()
+    for name, _ in reward_sources(cfg_reward):
+        if name in CHECKS:
+            load_target(CHECKS[name])(cfg_reward, trust_remote_code)
+
+
+def check_data_sources(sources, reward_cfg) -> None:
+    """At start-up: a ConfigError naming every data_source no rule scores, when the source rule (the built-ins) is
+    one of reward.sources (reward_rules/routing.py routes them)."""
+    missing = without_rule(sources) if "rule" in dict(reward_sources(reward_cfg)) else []
+    if missing:
+        raise ConfigError(f"the data has data_source values with no built-in reward: {', '.join(missing)}; score them "
+                          f"with your own compute_score(data_source, solution_str, ground_truth, extra_info=None) by "
+                          f"setting reward.function=path/to/file.py:compute_score (built in: {KNOWN})")
+
+
+def rule_needing_truth(data_source, cfg_reward):
+    """For data.py's check at start-up: the name of the built-in rule that will compare data_source's responses with
+    their ground truth, or None (no source rule: a reward model, a judge or your function may need none)."""
+    if "rule" not in dict(reward_sources(cfg_reward)):
+        return None
+    rule = rule_for(data_source)
+    return None if rule is None else f"{rule.__module__.split('.')[-1]}.{rule.__name__}"
+
+
+# ---- a reward function, called as verl calls it
+
+
+def load_reward_function(spec, timeout_s: float, stop=None, pool: Pool = Pool()):
+    """None → default_compute_score, called in this process; "path/to/file.py:name" (name defaults to
+    compute_score, as in verl) → a FunctionWorker running that function in pool.max_concurrency processes, each call
+    limited to timeout_s and a batch to pool.max_timeouts timed-out calls (`stop`: runs.StopSignal, so that a
+    preempted run does not wait for a hung call longer than that)."""
+    if not spec:
+        return default_compute_score
+    path, sep, name = spec.rpartition(":")
+    if not sep:
+        path, name = spec, "compute_score"
+    if not os.path.isfile(path):
+        raise ConfigError(f"reward.function: file {path} does not exist (expected path/to/file.py:function_name)")
+    try:
+        return FunctionWorker(path, name, timeout_s, stop, pool)
+    except WorkerStartError as e:
+        raise ConfigError(f"reward.function: {e}") from None
+
+
+def verl_calls(rows: list[dict], responses: list[str]) -> list[dict]:
+    """For each (row, response), compute_score's keywords as verl gives them: data_source, solution_str, ground_truth,
+    extra_info."""
+    if len(rows) != len(responses):
+        raise ValueError(f"score_responses got {len(rows)} rows but {len(responses)} responses")
+    # extra_info gets what verl's reward loop adds (reward_loop/reward_manager/naive.py): num_turns, counted as its
+    # agent loops count (the prompt, each assistant turn, each round of tool answers: 2 for a prompt and one
+    # response), and rollout_reward_scores = {} (no rollout-time scores here); from a multi-turn rollout (agents/multi_turn.py)
+    # also the turns (the messages after the prompt), the tool_calls and their tool_results
+    return [dict(data_source=row["data_source"], solution_str=response, ground_truth=row["ground_truth"],
+                 extra_info={**(row.get("extra_info") or {}), **(row.get("conversation") or {"num_turns": 2}),
+                             "rollout_reward_scores": {}})
+            for row, response in zip(rows, responses)]
+
+
+def call_reward(compute_score, calls: list[dict]) -> list:
+    """compute_score(**kwargs) for each call: its result, or the exception it raised. A FunctionWorker runs them in
+    its processes (CallFailed where a call failed there); an `async def` function is awaited for the whole batch at
+    once (asyncio.gather), as verl's reward loop runs it."""
+    if isinstance(compute_score, FunctionWorker):
+        return compute_score.call_all(calls)
+    if not inspect.iscoroutinefunction(compute_score):
+        results = []
+        for kwargs in calls:
+            try:
+                results.append(compute_score(**kwargs))
+            except Exception as e:
+                results.append(e)
+        return results
+
+    async def one(kwargs):
+        return await compute_score(**kwargs)
+
+    async def batch():
+        return await asyncio.gather(*(one(kwargs) for kwargs in calls), return_exceptions=True)
+    return asyncio.run(batch())
+
+
+def as_score(result, max_abs_score: float = math.inf) -> tuple[float, dict]:
+    """(score, extras) from a function's return: a finite number within ±max_abs_score (reward.max_abs_score), or a
+    dict whose "score" is one; extras are its other numbers, and its "pred" as text where it has one (verl's DAPO
+    rule: the answer it read, for maj@k). Beyond the bound is an error: 1e308 is inf in float32."""
+    if isinstance(result, BaseException):  # raised inside an async function, returned by asyncio.gather
+        raise result
+    extras = {}
+    if isinstance(result, dict):
+        if "score" not in result:
+            raise ValueError(f"a reward dict must carry 'score', got keys {sorted(result)}")
+        extras = {k: float(v) for k, v in result.items() if k != "score" and isinstance(v, numbers.Real)}
+        extras.update({"pred": str(result["pred"])} if "pred" in result else {})
+        result = result["score"]
+    if isinstance(result, (str, bytes)) or result is None:
+        raise TypeError(f"a reward function must return a number or a dict, got {result!r}")
+    score = float(result)
+    if not math.isfinite(score):
+        raise ValueError(f"the reward is {score}, not a finite number")
+    if abs(score) > max_abs_score:
+        raise ValueError(f"the reward is {score:g}, beyond reward.max_abs_score={max_abs_score:g}")
+    return score, extras
+
+
+def read_scores(results: list, max_abs_score: float = math.inf) -> tuple[list[float], dict, int]:
+    """(scores, extras: each extra numeric dict key's values, errors) from a reward function's results: a call that
+    raised, timed out, ended its worker, was not run (its batch reached reward.max_timeouts) or returned what as_score
+    refuses (None, a string, a dict without "score", NaN, inf, beyond ±max_abs_score) scores 0.0 (count_failures)."""
+    scores, extras, errors, first = [], {}, 0, None
+    for result in results:
+        try:
+            score, more = as_score(result, max_abs_score)
+        except Exception as e:
+            score, more, errors = 0.0, {}, errors + 1
+            first = first or (str(e) if isinstance(e, CallFailed) else f"{type(e).__name__}: {e}")
+        scores.append(score)
+        for key, value in more.items():
+            extras.setdefault(key, []).append(value)
+    count_failures("the reward function", errors, len(results), first)
+    return scores, extras, errors
+
+
+def score_responses(compute_score, rows: list[dict], responses: list[str],
+                    max_abs_score: float = math.inf) -> tuple[list[float], dict, int]:
+    """Score each (row, response) with compute_score (a function here, or a FunctionWorker's in its processes) by
+    verl's keywords: (scores, extras, errors), read_scores' reading of call_reward(compute_score, verl_calls(…))."""
+    return read_scores(call_reward(compute_score, verl_calls(rows, responses)), max_abs_score)
+
+
+# ---- failures: a sample's error scores 0, every sample's stops the run
+
+
+class RewardError(ConfigError):
+    """A scorer failed on every sample of a batch: training on would learn from zeros."""
+
+
 def count_failures(what: str, errors: int, total: int, first: Optional[str]) -> None:
     """A scorer's failed samples (scored 0.0): a warning naming the first error, or, when every sample of the batch
     failed, RewardError (training on would learn from zeros)."""
@@ -311,69 +357,7 @@ def count_failures(what: str, errors: int, total: int, first: Optional[str]) -> 
         warnings.warn(f"{what} failed on {errors}/{total} samples (scored 0.0); first: {first}")
 
 
-# ---- token rewards: step rewards at the token where each step ends
-
-
-def last_turn(response_mask) -> torch.Tensor:
-    """(B, Tr) bool: the tokens of the text a reward reads, the last run of response_mask ones (the whole response
-    with one turn, the last assistant turn with several: decode_responses)."""
-    mask = response_mask.bool()
-    before = torch.cat([torch.zeros_like(mask[:, :1]), mask[:, :-1]], dim=1)
-    runs = (mask & ~before).long().cumsum(1)  # (B, Tr) how many runs started at or before t
-    return mask & (runs == runs[:, -1:])
-
-
-def token_ends(tokenizer, ids: list[int]) -> list[int]:
-    """For each token, the length of the text decoded up to and including it: where its characters end in
-    tokenizer.decode(ids). Decoded incrementally, so that it holds for the tokens sampled, whatever a fresh
-    tokenisation of the text would give."""
-    ends, longest = [], 0
-    for k in range(1, len(ids) + 1):
-        longest = max(longest, len(tokenizer.decode(ids[:k], skip_special_tokens=True)))
-        ends.append(longest)
-    return ends
-
-
-def step_token_rewards(tokenizer, ro, steps: list) -> torch.Tensor:
-    """(B, Tr) from each sample's steps [(character offset where the step ends, reward), …] (None: no steps) in the
-    text of its last turn: each reward at the first token of that turn whose text reaches the offset (the last token
-    when the offset lies beyond the text); steps ending on one token add up."""
-    rewards = torch.zeros(ro.responses.shape)  # (B, Tr)
-    turn = last_turn(ro.response_mask)  # (B, Tr)
-    for i, sample in enumerate(steps):
-        if not sample:
-            continue
-        positions = turn[i].nonzero()[:, 0].tolist()
-        ends = token_ends(tokenizer, ro.responses[i, positions].tolist())
-        for offset, reward in sample:
-            k = next((k for k, end in enumerate(ends) if end >= offset), len(ends) - 1)
-            rewards[i, positions[k]] += reward
-    return rewards
-
-
-def read_steps(result) -> Optional[list]:
-    """A reward function's step rewards as [(offset, reward), …], or None when it returned none; a ValueError when
-    "step_rewards" and "step_ends" are not two lists of numbers of one length."""
-    if not isinstance(result, dict) or "step_rewards" not in result:
-        return None
-    rewards, ends = result["step_rewards"], result.get("step_ends")
-    if not (isinstance(rewards, list) and isinstance(ends, list) and len(rewards) == len(ends)) or not all(
-            isinstance(x, numbers.Real) and math.isfinite(x) for x in rewards + ends):
-        raise ValueError(f"step_rewards and step_ends must be two lists of finite numbers of one length, got "
-                         f"{rewards!r} and {ends!r}")
-    return [(int(end), float(reward)) for end, reward in zip(ends, rewards)]
-
-
-def decode_responses(tokenizer, ro) -> list[str]:
-    """The text each response of a rollout.Rollout is scored on: its tokens, or with multi-turn its last assistant
-    turn (agents/multi_turn.py)."""
-    if ro.conversations is not None:
-        return [c["turns"][-1]["content"] for c in ro.conversations]
-    return tokenizer.batch_decode([r[m.bool()].tolist() for r, m in zip(ro.responses, ro.response_mask)],
-                                  skip_special_tokens=True)
-
-
-# ---- length shaping
+# ---- length shaping, the texts scored, and the score on every process
 
 
 def overlong_reward(lengths, max_length: int, buffer_len: int, factor: float):
@@ -387,155 +371,35 @@ def overlong_reward(lengths, max_length: int, buffer_len: int, factor: float):
     return (-exceed / buffer_len * factor).clamp(max=0.0)
 
 
-# ---------------------------------------------------------------------------------------
-# Step 3's scorers: each one line of SCORERS, built as SCORERS[name](cfg_reward, setup), called as
-# scorer(rows, texts, ro) → Scores; reward.sources names those a run adds up, with reward.weights (Scorer)
+def decode_responses(tokenizer, ro) -> list[str]:
+    """The text each response of a rollout.Rollout is scored on: its tokens, or with multi-turn its last assistant
+    turn (agents/multi_turn.py)."""
+    if ro.conversations is not None:
+        return [c["turns"][-1]["content"] for c in ro.conversations]
+    return tokenizer.batch_decode([r[m.bool()].tolist() for r, m in zip(ro.responses, ro.response_mask)],
+                                  skip_special_tokens=True)
 
 
-@dataclass(frozen=True)
-class Setup:
-    """What a scorer may need from the run, bound once."""
-    device: torch.device  # where a reward model runs
-    dtype: Optional[torch.dtype]  # its autocast dtype (None: fp32)
-    tokenizer: object = None  # the policy's: it maps a function's step rewards to tokens; None: texts only
-    trust_remote_code: bool = False  # model.trust_remote_code, for the reward model's folder
-    stop: object = None  # runs.StopSignal, which a hung reward.function call holds up ≤ reward.timeout_s
-
-
-# ---------------------------------------------------------------------------------------
-# Rules and functions
-
-
-def rule_scores(scores: list, extras: dict, errors: int) -> Scores:
-    """score_responses' answer as Scores: reward/errors, reward/<key> for each number the rule returned beside its
-    score, and per sample the answer it read ("pred", verl's DAPO rule; maj@k reads it) where every sample has one."""
-    preds = extras.get("pred", [])
-    metrics = {"reward/errors": float(errors), **{f"reward/{key}": sum(values) / len(values)
-                                                  for key, values in extras.items() if values and key != "pred"}}
-    per_sample = [{"pred": p} for p in preds] if len(preds) == len(scores) else None
-    return Scores(torch.tensor(scores, dtype=torch.float32), extras=per_sample, metrics=metrics)
-
-
-def reward_function(cfg_reward, stop=None):
-    """reward.function in reward.max_concurrency worker processes, each call bounded by reward.timeout_s and a batch by
-    reward.max_timeouts timed-out calls (load_reward_function); the built-in rules where it is unset."""
-    pool = Pool(cfg_reward.max_concurrency, cfg_reward.max_timeouts)
-    return load_reward_function(cfg_reward.function, cfg_reward.timeout_s, stop, pool)
-
-
-class RuleScorer:
-    """The built-in rules by data_source (default_compute_score), in this process."""
-
-    def __init__(self, cfg_reward, setup: Setup):
-        self.fn, self.max_abs_score = default_compute_score, cfg_reward.max_abs_score
-
-    def __call__(self, rows: list[dict], texts: list[str], ro=None) -> Scores:
-        return rule_scores(*score_responses(self.fn, rows, texts, self.max_abs_score))
-
-
-class FunctionScorer:
-    """reward.function in its worker process (load_reward_function), and the step rewards it returns
-    ("step_rewards", "step_ends": read_steps) as token rewards at the tokens that end the steps."""
-
-    def __init__(self, cfg_reward, setup: Setup):
-        self.worker = reward_function(cfg_reward, setup.stop)
-        self.tokenizer, self.results, self.max_abs_score = setup.tokenizer, [], cfg_reward.max_abs_score
-        call_all = self.worker.call_all
-
-        def keeping(calls):  # score_responses reads each result's score and numbers; the step rewards are read here
-            self.results = call_all(calls)
-            return self.results
-        self.worker.call_all = keeping
-
-    def __call__(self, rows: list[dict], texts: list[str], ro=None) -> Scores:
-        scores = rule_scores(*score_responses(self.worker, rows, texts, self.max_abs_score))
-        if ro is None or self.tokenizer is None:
-            return scores
-        steps, bad = [], 0
-        for result in self.results:
-            try:
-                steps.append(read_steps(result))
-            except ValueError:
-                steps.append(None)
-                bad += 1
-        scores.token_rewards = step_token_rewards(self.tokenizer, ro, steps)  # (B, Tr)
-        scores.metrics.update({"reward/step_errors": float(bad),
-                               "reward/step_samples": float(sum(s is not None for s in steps))})
-        return scores
-
-
-
-# ---------------------------------------------------------------------------------------
-# The table, the checks at start-up, and the weighted sum of a run's sources
-
-# reward.sources' names → scorer, built as SCORERS[name](cfg_reward, setup), called as scorer(rows, texts, ro)
-# (a feature folder's scorer as "module:name", imported only by a run that names it)
-SCORERS = {"rule": RuleScorer, "function": FunctionScorer, "model": "scorers.model:RewardModelScorer.from_config",
-           "judge": "scorers.judge:JudgeScorer", "remote": "scorers.judge:RemoteScorer"}
-
-
-def check_function_source(cfg_reward, trust_remote_code: bool) -> None:
-    """The function imports (once, in a worker, which then stops)."""
-    load_reward_function(cfg_reward.function, cfg_reward.timeout_s).close()
-
-
-# a source's check before any model loads (cfg_reward, trust_remote_code), where it has one
-CHECKS = {"model": "scorers.model:check_model_source", "judge": "scorers.judge:check_judge_source",
-          "remote": "scorers.judge:check_remote_source"}
-
-
-def check_reward_inputs(cfg_reward, trust_remote_code: bool = False) -> None:
-    """Before any model loads: reward.sources and reward.weights agree and name scorers, reward.function imports,
-    and each source's inputs are there (CHECKS)."""
-    for name, _ in reward_sources(cfg_reward):
-        if name not in SCORERS:
-            raise ConfigError(f"reward.sources: {name!r} is not one of {', '.join(SCORERS)}")
-    if cfg_reward.function:
-        check_function_source(cfg_reward, trust_remote_code)
-    for name, _ in reward_sources(cfg_reward):
-        if name in CHECKS:
-            load_target(CHECKS[name])(cfg_reward, trust_remote_code)
-
-
-class Scorer:
-    """The task score of each response: Σ_s w_s · score_s over the run's reward.sources s with their reward.weights
-    (token rewards weighted alike), each source's mean logged as reward/<source>/mean."""
-
-    def __init__(self, cfg_reward, device, dtype, *, tokenizer=None, trust_remote_code: bool = False, stop=None):
-        """`tokenizer`: the policy's (step rewards land on its tokens; None: texts only); `trust_remote_code`:
-        model.trust_remote_code, for the reward model's folder; `stop`: runs.StopSignal."""
-        self.sources = reward_sources(cfg_reward)  # [(name, weight)]
-        setup = Setup(torch.device(device), dtype, tokenizer, trust_remote_code, stop)
-        self.scorers = {name: load_target(SCORERS[name])(cfg_reward, setup) for name, _ in self.sources}
-        # the score is one rule's at weight 1: pass@k and maj@k read it; else validation also logs the task's rule on
-        # the same answers (val/rule_score/mean: does what a reward model, judge or server likes score?), which is
-        # reward.function where it is set (its worker shared), else the built-ins
-        self.is_rule = one_rule(self.sources)
-        self.custom_rule = bool(cfg_reward.function)  # the task's rule is reward.function, which scores every row
-        self.task_rule = None if self.is_rule else (
-            self.scorers["function"].worker if "function" in self.scorers else reward_function(cfg_reward, stop))
-        self.max_abs_score = cfg_reward.max_abs_score
-
-    @classmethod
-    def from_config(cls, cfg, device, tokenizer, stop):
-        """ppo.py's: cfg.reward's sources, a reward model under model.dtype's autocast."""
-        return cls(cfg.reward, device, autocast_dtype(cfg.model.dtype), tokenizer=tokenizer,
-                   trust_remote_code=cfg.model.trust_remote_code, stop=stop)
-
-    def __call__(self, rows: list[dict], texts: list[str], ro=None) -> Scores:
-        total, token_rewards, metrics = torch.zeros(len(texts)), None, {}  # (B,)
-        extras = [{} for _ in texts]
-        for name, weight in self.sources:
-            got = self.scorers[name](rows, texts, ro)
-            total += weight * got.scores.float().cpu()
-            if got.token_rewards is not None:
-                token_rewards = weight * got.token_rewards + (0 if token_rewards is None else token_rewards)  # (B, Tr)
-            for mine, theirs in zip(extras, got.extras):
-                mine.update(theirs)
-            for key, value in got.metrics.items():  # two sources' errors add up
-                metrics[key] = metrics.get(key, 0.0) + value if key.endswith("errors") else value
-            metrics[f"reward/{name}/mean"] = got.scores.float().mean().item()
-        return Scores(total, token_rewards, extras, metrics)
+def score_on_every_process(score: Callable, accelerator):
+    """score() → Scores, on all processes together: when the reward fails on every sample of any process's batch
+    (RewardError), every process raises it, with the failing process's message; when a stop signal could not wait
+    for a reward call on any process (runs.Interrupted), every process raises that. Raised on that process alone,
+    either would leave the others waiting for it at their next collective."""
+    error, interrupted, scores = None, None, None
+    try:
+        scores = score()
+    except RewardError as e:
+        error = str(e)
+    except Interrupted as e:
+        interrupted = e
+    flags = torch.tensor([float(error is not None), float(interrupted.signum if interrupted else 0)])
+    failed, signum = accelerator.reduce(flags.to(accelerator.device), "max").tolist()
+    if signum:
+        raise interrupted or Interrupted(int(signum), "while a reward call of another process was still running; "
+                                                      "this step is not saved, the last checkpoint is kept")
+    if failed:
+        raise RewardError(next(message for message in gather_object([error]) if message))
+    return scores
 
 
 # ---------------------------------------------------------------------------------------

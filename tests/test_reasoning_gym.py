@@ -10,6 +10,7 @@ import data
 import rewards
 from conftest import make_tokenizer
 from infra.config_rl import RewardConfig
+from reward_rules import reasoning_gym_rules
 from test_verl_rewards import outcome
 from tools import prepare_data
 
@@ -84,7 +85,7 @@ def test_the_rule_scores_with_the_config_the_rows_were_made_with():
 def test_routing_and_bad_ground_truths():
     """reasoning_gym/<anything> routes to the rule by prefix; a ground truth that is not the {task, config, entry}
     JSON prepare_data writes is a ValueError saying what it should be (an error for its sample, not a 0)."""
-    assert rewards.rule_for("reasoning_gym/leg_counting") is rewards.reasoning_gym_rules.reasoning_gym_score
+    assert rewards.rule_for("reasoning_gym/leg_counting") is reasoning_gym_rules.reasoning_gym_score
     assert rewards.rule_for("reasoning_gymnastics") is None
     for bad in ["500", '{"task": "leg_counting"}', "not json"]:
         with pytest.raises(ValueError, match="JSON text of {task, config, entry}"):

@@ -1,4 +1,4 @@
-"""Issue 31: the scorer table (scorers.py) and its Scores, reward.sources with weights and the old reward.type, a new
+"""Issue 31: the scorer table (rewards.SCORERS) and its Scores, reward.sources with weights and the old reward.type, a new
 scorer in one class and one line, step rewards on the tokens that end each step and what they do to the advantages,
 a remote reward server in OpenRLHF's format and its failure modes, and on-policy distillation's teacher."""
 import json
@@ -149,7 +149,7 @@ def test_step_rewards_land_on_the_tokens_that_end_each_step(tmp_path):
 def test_token_ends_hold_for_a_tokenisation_the_tokenizer_would_not_make():
     """Offsets come from decoding the sampled tokens incrementally: a response sampled as single characters (which
     a fresh tokenisation of its text would merge) still gets each token's own end."""
-    from rewards import token_ends
+    from scorers.steps import token_ends
     tok = merging_tokenizer()
     chars = [tok.convert_tokens_to_ids(c) for c in "What"]
     assert len(tok("What", add_special_tokens=False).input_ids) < 4 and token_ends(tok, chars) == [1, 2, 3, 4]

@@ -13,6 +13,7 @@ import time
 import pytest
 
 import rewards
+from reward_rules import routing
 from conftest import REPO, bare_packages, make_tiny_model, pip_install, read_metrics
 
 VERL_VERSION = "0.9.1"
@@ -138,7 +139,7 @@ ROUTES = {
     **dict.fromkeys(["lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500"], math_cases),
     "math": dapo_cases, "math_dapo": dapo_cases, "math_dapo_reasoning": dapo_cases, "aime2024": dapo_cases,
     "aime25_hard": dapo_cases,
-    **dict.fromkeys(rewards.NUMINA[:1], prime_cases),
+    **dict.fromkeys(routing.NUMINA[:1], prime_cases),
 }
 
 
@@ -154,7 +155,7 @@ def test_scores_equal_verls_case_by_case(verl_score, data_source):
 def test_every_numina_source_routes_to_prime_math(verl_score):
     """Each numina_* name gives the same as verl on a right, a wrong and a sympy-equal answer."""
     cases = [("The answer is \\boxed{\\frac{1}{2}}", "0.5"), ("The answer is 3", "5"), ("so x = (x+1)^2", "x^2+2x+1")]
-    for source in rewards.NUMINA:
+    for source in routing.NUMINA:
         assert not mismatches(verl_score, source, cases), source
 
 
@@ -162,7 +163,7 @@ def test_verl_routes_every_built_in_verl_name_the_same_way(verl_score):
     """Every data_source this library claims as verl's is one verl scores (it raises for none of them), and
     default_compute_score keeps verl's parameters."""
     own = {"gsm8k", "boxed", "arithmetic", "environment"}  # this library's own
-    for source in set(rewards.BUILTIN_SCORES) - own:
+    for source in set(routing.BUILTIN_SCORES) - own:
         verl_score(source, "Answer: 1", "1")
     assert list(inspect.signature(verl_score).parameters) == list(
         inspect.signature(rewards.default_compute_score).parameters)
