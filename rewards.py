@@ -25,6 +25,7 @@ import torch
 from accelerate.utils import gather_object
 
 from infra.batches import autocast_dtype
+from infra.checks import reward_sources
 from infra.config import ConfigError, load_target
 from infra.rollout_common import add_token_rewards, cut_off, Samples, with_conversations
 from infra.runs import Interrupted
@@ -158,41 +159,6 @@ CHECKS = {"model": "scorers.model:check_model_source", "judge": "scorers.judge:c
 
 
 # ---- reward.sources, and the checks at start-up
-
-
-OLD_TYPES = {"rule": None, "model": ["model"], "judge": ["judge"], "both": "reward.sources=[rule,model]",
-             "rule+judge": "reward.sources=[rule,judge]"}  # reward.type → its sources, or the new spelling to refuse
-
-
-def reward_sources(cfg_reward) -> list[tuple[str, float]]:
-    """(scorer name, weight) for each of reward.sources, which defaults to [function] with a reward.function, else
-    [rule]; reward.type, the old spelling, maps onto it (OLD_TYPES). A ConfigError for a refused old spelling, both
-    spellings at once, a weight count that is not the source count, a source twice, a reward.function beside rule
-    sources that do not read it (beside a reward model, judge or server it is the task's rule of val/rule_score/mean),
-    and the source function without a reward.function."""
-    default = ["function"] if cfg_reward.function else ["rule"]
-    names = cfg_reward.sources or default
-    if cfg_reward.type is not None:
-        if cfg_reward.sources is not None:
-            raise ConfigError(f"reward.type={cfg_reward.type} and reward.sources are two spellings of one setting; "
-                              f"keep reward.sources only")
-        mapped = OLD_TYPES[cfg_reward.type]
-        if isinstance(mapped, str):
-            raise ConfigError(f"reward.type={cfg_reward.type} is now spelled {mapped} with reward.weights=[w_1,w_2] "
-                              f"(the old reward.rule_weight, model_weight and judge.weight, in that order)")
-        names = mapped or default
-    weights = cfg_reward.weights or [1.0] * len(names)
-    if len(weights) != len(names):
-        raise ConfigError(f"reward.weights has {len(weights)} numbers for the {len(names)} reward.sources {names}: "
-                          f"give one weight per source")
-    if len(set(names)) != len(names):
-        raise ConfigError(f"reward.sources={names} names a source twice; give it once, with its weight")
-    if cfg_reward.function and set(names) <= {"rule"}:
-        raise ConfigError(f"reward.function is set but reward.sources={names} does not read it: add function to "
-                          f"reward.sources, or unset reward.function")
-    if "function" in names and not cfg_reward.function:
-        raise ConfigError("reward.sources lists function but reward.function is not set: give path/to/file.py:name")
-    return list(zip(names, weights))
 
 
 def one_rule(sources: list) -> bool:

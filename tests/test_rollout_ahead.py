@@ -1,5 +1,5 @@
-"""rollout.steps_ahead (ppo.py's departure 8): the schedule of sampling.Sampler against a stand-in backend that records
-what it was asked and from which weights, the staleness bound, the start-up refusals, and k = 0 against the loop
+"""rollout.steps_ahead (ppo.py's departure 8): the schedule of rollout.RunAhead, driven as ppo.py's steps 1–3 drive it,
+against a stand-in backend that records what it was asked and from which weights, the staleness bound, the start-up refusals, and k = 0 against the loop
 before this feature (the base commit's ppo.py, where the repository's history holds it).
 
 The backend kinds themselves are tested in test_rollout.py (vLLM, HF) and test_rollout_server.py (the server, with
@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import defaultdict
 
 import pytest
 import torch
@@ -17,9 +18,10 @@ import torch
 from conftest import REPO, arithmetic_run_folder, make_tokenizer, read_metrics
 from infra.cli import load_config
 from infra.config import ConfigError
-from rewards import Scores
-from rollout import check_rollout, right_pad, Rollout
-from sampling import check_staleness, Sampler, step_seed
+from infra.train_state import step_seed
+from ppo import draw_prompts
+from rewards import score_samples, Scores
+from rollout import check_rollout, check_staleness, right_pad, Rollout, RunAhead
 
 BASE = "07768a8"  # main before issue 30 merged: its loop is the one k = 0 must reproduce
 
@@ -34,9 +36,10 @@ class Backend:
         self.eos_ids, self.version, self.delay, self.calls = {0}, 0, delay, []
         self.busy = threading.Lock()
 
-    def generate(self, prompts, n, temperature, seed=None, max_tokens=None):
+    def generate(self, rows, n, temperature, seed=None):
         assert self.busy.acquire(blocking=False), "two generations at once"
         try:
+            prompts = [row["prompt_ids"] for row in rows]
             self.calls.append(([p[0] for p in prompts], seed, self.version))
             time.sleep(self.delay)
             rows = [[p[0], 100 + self.version] for p in prompts for _ in range(n)]
@@ -83,11 +86,42 @@ class State:
         return {"epoch": self.epoch, "position": self.position}
 
 
+class Loop:
+    """ppo.py's steps 1–3 with rollout.steps_ahead = k (its departure-8 branch: draw and submit the batches up to
+    step + k, take this step's, score it), its step 8 and its checkpoint's state, over RunAhead and the stand-in
+    backend (`rollout`). Each batch's Samples carry `versions`, the policy version that sampled them."""
+
+    def __init__(self, cfg, delay):
+        self.cfg, self.rollout, self.ahead, self.tokenizer = cfg, Backend(delay), None, make_tokenizer()
+
+    def batch(self, state, train_rows, step, times):
+        if self.ahead is None:  # ppo.main makes it once resumed, at the actor's updates so far
+            self.ahead = RunAhead(self.rollout, self.cfg.rollout, version=max(0, state.step - self.cfg.critic.warmup_steps))
+        for ahead in self.ahead.wants(step, self.cfg.trainer.total_steps):
+            self.ahead.submit((state.epoch, state.position), draw_prompts(state, train_rows, self.cfg, 0, 3),
+                              step_seed(self.cfg.trainer.seed, ahead, 0))
+        metrics = defaultdict(list)
+        rows, ro = self.ahead.next(step, times, metrics)
+        samples, scored = score_samples([row for row in rows for _ in range(self.cfg.rollout.n)], ro, CountTokens(),
+                                        self.tokenizer, self.rollout.eos_ids, self.cfg, OneProcess())
+        samples.versions = torch.full((len(samples.rows),), self.ahead.version - int(metrics["rollout/staleness_max"][0]))
+        return samples, {**{key: sum(v) / len(v) for key, v in metrics.items()}, **scored}
+
+    def sync_weights(self, model, version):
+        self.ahead.sync_weights(model, version)
+
+    def saved(self, state):
+        return self.ahead.rewind(state.state_dict())
+
+    def close(self):
+        self.ahead.close()
+
+
 def sampler(k, background=True, delay=0.0, total_steps=6):
     cfg = load_config(os.path.join(REPO, "configs.yaml"), [
         f"rollout.steps_ahead={k}", f"rollout.background={str(background).lower()}", "rollout.n=2",
         "data.train_batch_size=3", f"trainer.total_steps={total_steps}", "trainer.seed=7"])
-    return Sampler(Backend(delay), make_tokenizer(), CountTokens(), OneProcess(), cfg, 3)
+    return Loop(cfg, delay)
 
 
 ROWS = [{"prompt_ids": [i + 1, 50], "data_source": "x", "ground_truth": ""} for i in range(24)]
