@@ -411,7 +411,7 @@ def main(cfg: config.Config):
     for step in bar:
         times, skipped_before, t0 = {}, state.skipped, time.perf_counter()
 
-        # ---- 1–3. sample prompts, generate n responses each (rollout.py), score them (rewards.py): in rounds (departure 6)
+        # ---- 1–3. sample prompts, generate n responses each (rollout.py), score them (rewards.py); rounds: departure 6
         kept, metrics, rounds = [], defaultdict(list), 0
         while more_rounds(kept, rounds, sizes.prompts, cfg, accelerator):
             if cfg.rollout.steps_ahead:  # departure 8: generated k steps ago; the batches up to step + k start now
@@ -466,7 +466,7 @@ def main(cfg: config.Config):
             kl_tokens = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], alg.kl_penalty) * response_mask
             seq_kl = accelerator.reduce(masked_mean(kl_tokens, response_mask, 1).mean().to(device), "mean").item()
             state.kl_ctrl.update(seq_kl, cfg.data.train_batch_size * cfg.rollout.n)
-        dense = distillation_rewards(samples.token_rewards, batch, alg.teacher)  # (B, Tr) or None: the scorers', the teacher's
+        dense = distillation_rewards(samples.token_rewards, batch, alg.teacher)  # (B, Tr): scorers', teacher's; or None
         token_rewards = kl_penalty_rewards(scores, kl_tokens, response_mask, beta, dense)  # (B, Tr)
 
         # ---- 6. advantages (B, Tr), zero on padding: advantages.ESTIMATORS[algorithm.adv_estimator]; and the

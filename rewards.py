@@ -37,8 +37,8 @@ from reward_rules.routing import default_compute_score, KNOWN, rule_for, without
 @dataclass
 class Scores:
     """A scorer's answer for a batch of B responses (SCORERS' calling convention: scorer(rows, texts, ro)).
-    The Sampler puts extras and token_rewards into rollout.Samples; ppo.py's step 5 adds token_rewards to the score
-    at the last token (kl.kl_penalty_rewards)."""
+    score_samples puts extras and token_rewards into infra.rollout_common.Samples; ppo.py's step 5 adds token_rewards
+    to the score at the last token (kl.kl_penalty_rewards)."""
     scores: torch.Tensor  # (B,) float32, one number per response
     token_rewards: Optional[torch.Tensor] = None  # (B, Tr) rewards at response tokens (0 elsewhere), or None
     extras: list = field(default_factory=list)  # (B,) a dict per sample: "pred" (the rule's answer), "judge_answer" …

@@ -231,12 +231,12 @@ class ToolTemplate:
 
 
 # ---------------------------------------------------------------------------------------
-# The environments agent.AgentRollout drives: a user's class, or the built-in tools
+# The environments multi_turn.AgentRollout drives: a user's class, or the built-in tools
 
 
 class HostedEnvironment:
     """A user's environment class (rollout.multi_turn.env), one instance per episode, each in a process of its own
-    (agents/episodes.py); agent.AgentRollout drives it, a batch of episodes at a time: reset(rows), step(…) after
+    (agents/episodes.py); multi_turn.AgentRollout drives it, a batch of episodes at a time: reset(rows), step(…) after
     each turn, end(). A call that fails is returned as the exception (CallFailed, TypeError, …): it ends that
     episode only. The worker is started again at the next reset when it was lost."""
     hosted = True  # the user's code: every call runs in the episode's process

@@ -1,7 +1,7 @@
 """Environments whose turns are tool calls: the built-in one (rollout.multi_turn.tools, plain functions) and TRL's
 environment_factory classes (rollout.multi_turn.env=path.py:Class, whose public methods are the tools). Both follow
-agents/environments.py's contract, batched as agent.AgentRollout drives it; the calls are read by the format's parser
-(agent.PARSERS) and every call runs in a process (agents/episodes.py), killed after its timeout.
+agents/environments.py's contract, batched as multi_turn.AgentRollout drives it; the calls are read by the format's parser
+(multi_turn.PARSERS) and every call runs in a process (agents/episodes.py), killed after its timeout.
 """
 import os
 from dataclasses import dataclass, replace

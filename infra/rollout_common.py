@@ -20,7 +20,7 @@ class Rollout:
     conversations: Optional[list[dict]] = None  # per row: turns, tool_calls, tool_results, num_turns (agents/multi_turn.py)
     metrics: dict = field(default_factory=dict)  # agent/* (agents/multi_turn.py)
     token_rewards: Optional[torch.Tensor] = None  # (B·n, Tr) an environment's reward of each turn at its last token
-    #                                               (agents/multi_turn.py), added to the scorers' (sampling.py); None: none
+    #                                               (agents/multi_turn.py), added to the scorers' (rewards.score_samples); None: none
     prompts: Optional[list[list[int]]] = None  # (B·n,) the prompt ids each row began from, where an environment
     #                                            wrote its own first messages (agents/multi_turn.py); None: the rows' own
 

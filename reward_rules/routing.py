@@ -11,7 +11,7 @@ from reward_rules.library import arithmetic_score, boxed_score, gsm8k_score
 
 def environment_score(solution_str: str, ground_truth: str) -> float:
     """data_source "environment": rows an environment scores alone with its turns' rewards (rollout.multi_turn.env,
-    agents/environments.py), which the Sampler adds at their tokens; verifiers/<env> (its rubric, paid by the environment
+    agents/environments.py), which rewards.score_samples adds at their tokens; verifiers/<env> (its rubric, paid by the environment
     at the last turn: agents/verifiers.py) too; the rule adds 0."""
     return 0.0
 
