@@ -347,15 +347,16 @@ def vllm_stage() -> None:
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": f"{a} + {b}"}], add_generation_prompt=True,
                                              tokenize=True, return_dict=True)["input_ids"] for a, b in
                [(1, 2), (3, 4), (5, 6), (7, 8), (9, 10), (11, 12)]]
-    before = engine.generate(prompts, 1, 0.0)
+    rows = [{"prompt_ids": p} for p in prompts]  # the rows rollout.generate takes
+    before = engine.generate(rows, 1, 0.0)
     with torch.no_grad():
         model.lm_head.weight.copy_(model.lm_head.weight.roll(1, dims=0))  # logit of token v → token v + 1
     t0 = time.perf_counter()
     engine.sync_weights(model)
     sync_s = time.perf_counter() - t0
-    after = engine.generate(prompts, 1, 0.0)
+    after = engine.generate(rows, 1, 0.0)
     expected = (before.responses[:, 0] + 1) % model.config.vocab_size
-    sampled = engine.generate(prompts, 4, 1.0, seed=0)
+    sampled = engine.generate(rows, 4, 1.0, seed=0)
     gap = logprob_gap(model, prompts, 4, sampled)
     free_asleep = torch.cuda.mem_get_info()[0]
     engine.wake_up(["weights", "kv_cache"])

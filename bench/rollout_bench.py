@@ -61,11 +61,12 @@ def run_one(model_dir: str, backend: str, n_prompts: int, n: int, new_tokens: in
         t0 = time.perf_counter()
         rollout.sync_weights(model)
         syncs.append(time.perf_counter() - t0)
-    rollout.generate(prompts[:2], 1, 1.0, seed=0)  # warm-up
+    rows = [{"prompt_ids": p} for p in prompts]  # the rows rollout.generate takes
+    rollout.generate(rows[:2], 1, 1.0, seed=0)  # warm-up
     times, tokens = [], 0
     for r in range(repeats):
         t0 = time.perf_counter()
-        out = rollout.generate(prompts, n, 1.0, seed=r)
+        out = rollout.generate(rows, n, 1.0, seed=r)
         times.append(time.perf_counter() - t0)
         tokens = int(out.response_mask.sum())
     return dict(startup_s=startup, sync_s=statistics.median(syncs) if syncs else None, tokens=tokens,

@@ -60,6 +60,11 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
+def as_rows(prompts):
+    """Token-id prompts as the rows rollout.generate takes."""
+    return [{"prompt_ids": p} for p in prompts]
+
+
 def free_port() -> int:
     """A TCP port on localhost that nothing listens on now (for a launcher's rendezvous)."""
     import socket

@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from conftest import REPO, free_port, make_tiny_model, make_tokenizer, read_metrics
+from conftest import REPO, as_rows, free_port, make_tiny_model, make_tokenizer, read_metrics
 from infra.config import ConfigError
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
@@ -159,8 +159,10 @@ class ScriptedBackend:
         self.tokenizer, self.reply, self.calls = tokenizer, reply, []
         self.eos_ids = {tokenizer.eos_token_id}
 
-    def generate(self, prompts, n, temperature, seed=None, max_tokens=None):
+    def generate(self, rows, n, temperature, seed=None):
         from rollout import right_pad, Rollout
+        prompts = [row["prompt_ids"] for row in rows]
+        max_tokens = [row["max_tokens"] for row in rows] if any("max_tokens" in row for row in rows) else None
         self.calls.append((len(prompts), n, max_tokens))
         rows = []
         for i, p in enumerate(prompts):
@@ -230,7 +232,8 @@ def test_the_tool_environment_gives_what_agent_py_gave_before_environments(token
         before = json.load(f)[name]
     ro_, _ = agent_rollout(tokenizer, tools_file, globals()[script], max_turns, max_length, fmt=fmt, tools=tools)
     try:
-        ro = ro_.generate([chat(tokenizer, question(a, b)) for a, b in questions], n=n, temperature=1.0, seed=0)
+        prompts = as_rows([chat(tokenizer, question(a, b)) for a, b in questions])
+        ro = ro_.generate(prompts, n=n, temperature=1.0, seed=0)
     finally:
         ro_.s.environment.close()
     assert ro.responses.tolist() == before["responses"] and ro.response_mask.tolist() == before["response_mask"]
@@ -245,7 +248,7 @@ def test_each_row_is_the_conversation_as_the_chat_template_writes_it(tokenizer, 
     between them, which the attention mask covers; the sampler's logprobs sit on the model's tokens, 0 elsewhere."""
     ro_, backend = agent_rollout(tokenizer, tools_file)
     prompts = [chat(tokenizer, question(3, 4)), chat(tokenizer, question(12, 30))]
-    ro = ro_.generate(prompts, n=3, temperature=1.0, seed=0)
+    ro = ro_.generate(as_rows(prompts), n=3, temperature=1.0, seed=0)
     assert ro.responses.shape == ro.response_mask.shape == ro.attention_mask.shape == ro.logprobs.shape
     for row in range(6):
         prompt_messages = question(*((3, 4) if row < 3 else (12, 30)))
@@ -272,7 +275,7 @@ def test_the_last_turns_call_is_not_run_and_later_turns_get_the_rest_of_the_budg
     an answer that leaves no room for the model ends the episode at its call."""
     ro_, backend = agent_rollout(tokenizer, tools_file, max_turns=2)
     prompts = [chat(tokenizer, question(3, 4))]
-    ro = ro_.generate(prompts, n=3, temperature=1.0)
+    ro = ro_.generate(as_rows(prompts), n=3, temperature=1.0)
     assert [len(c["tool_results"]) for c in ro.conversations] == [1, 0, 1]
     assert [c["num_turns"] for c in ro.conversations] == [4, 2, 4]
     (first, n1, budgets1), (waiting, n2, budgets2) = backend.calls
@@ -286,7 +289,7 @@ def test_the_last_turns_call_is_not_run_and_later_turns_get_the_rest_of_the_budg
     assert ro.metrics["agent/turns_mean"] == pytest.approx(5 / 3)
 
     tight, backend = agent_rollout(tokenizer, tools_file, max_turns=3, max_length=lengths[0])
-    ro = tight.generate(prompts, n=1, temperature=1.0)
+    ro = tight.generate(as_rows(prompts), n=1, temperature=1.0)
     assert len(backend.calls) == 1 and ro.conversations[0]["tool_results"] == []
     assert ro.response_mask.all()  # no tool tokens were appended
 
@@ -297,25 +300,25 @@ def test_every_process_runs_the_same_generate_calls(tokenizer, tools_file):
     prompts = [chat(tokenizer, question(3, 4))]
     alone, _ = agent_rollout(tokenizer, tools_file, max_turns=2)
     padded, backend = agent_rollout(tokenizer, tools_file, max_turns=2, reduce_max=lambda x: 5)
-    want, got = alone.generate(prompts, 3, 1.0), padded.generate(prompts, 3, 1.0)
+    want, got = alone.generate(as_rows(prompts), 3, 1.0), padded.generate(as_rows(prompts), 3, 1.0)
     assert [c[0] for c in backend.calls] == [1, 5] and backend.calls[1][2][2:] == [1, 1, 1]
     assert torch.equal(want.responses, got.responses) and want.conversations == got.conversations
 
     never, backend = agent_rollout(tokenizer, tools_file, reply=lambda context, j: "7", max_turns=3,
                                    reduce_max=lambda x: 2)
-    never.generate(prompts, 2, 1.0)
+    never.generate(as_rows(prompts), 2, 1.0)
     assert [c[0] for c in backend.calls] == [1, 2, 2]  # nothing waits here, yet both later turns are called
 
 
 def test_the_reward_function_reads_the_conversation(tokenizer, tools_file, tmp_path):
     """compute_score gets the last turn as solution_str and, in extra_info, the turns, the tool calls, their
     results and num_turns (rewards.score_responses, as ppo.py hands them over)."""
-    from agents import multi_turn as agent
+    from infra.rollout_common import with_conversations
     from rewards import load_reward_function, score_responses
     (tmp_path / "reward.py").write_text(REWARD_FILE)
     ro_, _ = agent_rollout(tokenizer, tools_file)
-    ro = ro_.generate([chat(tokenizer, question(3, 4))], n=3, temperature=1.0)
-    rows = agent.with_conversations([{"data_source": "x", "ground_truth": "7", "extra_info": {"index": 0}}] * 3, ro)
+    ro = ro_.generate(as_rows([chat(tokenizer, question(3, 4))]), n=3, temperature=1.0)
+    rows = with_conversations([{"data_source": "x", "ground_truth": "7", "extra_info": {"index": 0}}] * 3, ro)
     texts = [c["turns"][-1]["content"] for c in ro.conversations]
     compute_score = load_reward_function(f"{tmp_path}/reward.py", timeout_s=30.0)  # in its worker process
     try:
@@ -455,12 +458,12 @@ def caller(caller_dir):
 def test_hf_rollout_calls_the_tool_and_answers_with_its_result(caller, caller_dir, tools_file):
     """Through HF generate, greedy, the taught model calls <add> on every sum, reads the tool's answer and replies
     with it; every sample is a well-formed call."""
-    from agents.multi_turn import check_multi_turn, with_tools
+    from agents.multi_turn import check_multi_turn
     from rollout import make_rollout
     model, tokenizer = caller
     cfg = rollout_config(caller_dir, tools_file, "hf")
-    ro_ = with_tools(make_rollout(cfg, model, tokenizer, OneProcess()), check_multi_turn(cfg, tokenizer), tokenizer)
-    ro = ro_.generate([chat(tokenizer, question(a, b)) for a, b in SUMS], n=1, temperature=0.0)
+    ro_ = make_rollout(cfg, model, tokenizer, OneProcess(), turns=check_multi_turn(cfg, tokenizer))
+    ro = ro_.generate(as_rows([chat(tokenizer, question(a, b)) for a, b in SUMS]), n=1, temperature=0.0)
     assert [c["turns"][-1]["content"] for c in ro.conversations] == [str(a + b) for a, b in SUMS]
     assert ro.metrics["agent/well_formed_share"] == 1.0 and ro.logprobs is None
     assert (ro.response_mask < ro.attention_mask).any(1).all()  # a gap in every row
@@ -473,25 +476,25 @@ def test_vllm_turns_match_hf_and_its_logprobs_match_the_trainers(caller, caller_
     equal HF's token for token, masks included; sampled at T=1 from a seed, the sampler's logprobs equal the
     trainer's forward over the gapped rows on every model token (mean |Δ| < 1e-4), and are 0 on tool tokens."""
     from transformers import AutoModelForCausalLM
-    from agents.multi_turn import check_multi_turn, with_tools
+    from agents.multi_turn import AgentRollout, check_multi_turn
+    from infra.distributed import max_over_processes
     from rollout import make_rollout
     model, tokenizer = caller
     cfg = rollout_config(tiny_model_dir, tools_file, "vllm")  # the engine starts from other weights
     random_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     engine = make_rollout(cfg, random_model, tokenizer, OneProcess())
-    vllm_ro = with_tools(engine, check_multi_turn(cfg, tokenizer), tokenizer)
+    vllm_ro = AgentRollout(engine, tokenizer, check_multi_turn(cfg, tokenizer), max_over_processes)
     hf_cfg = rollout_config(caller_dir, tools_file, "hf")
-    hf_ro = with_tools(make_rollout(hf_cfg, model, tokenizer, OneProcess()), check_multi_turn(hf_cfg, tokenizer),
-                       tokenizer)
+    hf_ro = make_rollout(hf_cfg, model, tokenizer, OneProcess(), turns=check_multi_turn(hf_cfg, tokenizer))
     try:
         engine.sync_weights(model)
         prompts = [chat(tokenizer, question(a, b)) for a, b in SUMS]
-        v, h = vllm_ro.generate(prompts, 1, 0.0), hf_ro.generate(prompts, 1, 0.0)
+        v, h = vllm_ro.generate(as_rows(prompts), 1, 0.0), hf_ro.generate(as_rows(prompts), 1, 0.0)
         assert torch.equal(v.responses, h.responses) and torch.equal(v.response_mask, h.response_mask)
         assert v.conversations == h.conversations and v.metrics["agent/tool_calls_mean"] == 1.0
 
         n = 4
-        sampled = vllm_ro.generate(prompts, n, 1.0, seed=3)
+        sampled = vllm_ro.generate(as_rows(prompts), n, 1.0, seed=3)
         mask, gaps = sampled.response_mask.bool(), sampled.attention_mask.bool() & ~sampled.response_mask.bool()
         assert gaps.any(1).float().mean() > 0.5, "expected most samples to call the tool"
         diff = (sampled.logprobs - trainer_logprobs(model, prompts, sampled, n)).abs()[mask]

@@ -17,6 +17,7 @@ import torch
 from conftest import REPO, make_tokenizer
 from infra.config import ConfigError
 from test_agent import chat, question, ScriptedBackend
+from conftest import as_rows
 
 ENV_FILE = '''
 import os, re, subprocess, sys
@@ -141,10 +142,9 @@ def test_state_carries_across_turns_and_each_reward_lands_at_its_turns_last_toke
     its last token (the EOS), nowhere else; episodes of 1, 3 and 4 turns (the last cut by max_turns) end where
     their environment or max_turns says; the record holds the rewards and infos; agent/env_return_mean and env/count
     (the count where each episode ended) are the means a hand count gives."""
-    from agents.multi_turn import generate_for
     ro_ = env_rollout(tokenizer, f"{files}/envs.py:Counter", max_turns=4)
     try:
-        ro = generate_for(ro_, rows_of(tokenizer, [{"turns": 1}, {"turns": 3}, {"turns": 9}]), 1, 1.0, seed=0)
+        ro = ro_.generate(rows_of(tokenizer, [{"turns": 1}, {"turns": 3}, {"turns": 9}]), 1, 1.0, seed=0)
     finally:
         ro_.close()
     eos = tokenizer.eos_token_id
@@ -168,12 +168,12 @@ def test_an_environments_own_first_messages_are_the_prompt(tokenizer, files):
     """reset returning Reset(messages): each sample starts from the template's rendering of them (rollout.prompts,
     which with_conversations puts in the rows as the batch's queries), the model answers that prompt, and SkyRL's
     step dict is read as a Step."""
-    from agents.multi_turn import generate_for, with_conversations
+    from infra.rollout_common import with_conversations
     seen = []
     ro_ = env_rollout(tokenizer, f"{files}/envs.py:OwnPrompt", reply=lambda context, j: seen.append(context) or "go")
     rows = rows_of(tokenizer, [{"turns": 2}, {"turns": 3}])
     try:
-        ro = generate_for(ro_, rows, 2, 1.0, seed=0)
+        ro = ro_.generate(rows, 2, 1.0, seed=0)
     finally:
         ro_.close()
     want = [chat(tokenizer, [{"role": "user", "content": f"Count to {t}."}]) for t in (2, 2, 3, 3)]
@@ -188,16 +188,15 @@ def test_failing_hanging_exiting_and_malformed_environments_cost_their_sample(to
     Step each end their own episode there, with the reason in the record and agent/env_errors_share; the other
     samples play on untouched, the hang costs env_timeout_s, not the run, and a worker lost between batches is
     started again for the next."""
-    from agents.multi_turn import generate_for
     faults = ["none", "reset", "raise", "gil", "exit", "malformed", "none"]
     ro_ = env_rollout(tokenizer, f"{files}/envs.py:Faulty", timeout_s=1.0)
     try:
         start = time.monotonic()
-        ro = generate_for(ro_, rows_of(tokenizer, [{"turns": 3, "fault": f} for f in faults]), 1, 1.0, seed=0)
+        ro = ro_.generate(rows_of(tokenizer, [{"turns": 3, "fault": f} for f in faults]), 1, 1.0, seed=0)
         elapsed = time.monotonic() - start
         os.killpg(ro_.s.environment.host.proc.pid, signal.SIGKILL)  # the worker itself lost: the next batch's new
         ro_.s.environment.host.proc.wait()
-        again = generate_for(ro_, rows_of(tokenizer, [{"turns": 2, "fault": "none"}]), 1, 1.0, seed=0)
+        again = ro_.generate(rows_of(tokenizer, [{"turns": 2, "fault": "none"}]), 1, 1.0, seed=0)
     finally:
         ro_.close()
     errors = [c["env_error"] for c in ro.conversations]
@@ -243,14 +242,13 @@ def test_tools_that_hang_holding_the_gil_exit_or_spawn_leave_the_run_whole(token
     ro_ = AgentRollout(ScriptedBackend(tokenizer, lambda context, j: script if "tool" not in context else "done"),
                        tokenizer, TurnSettings(2, 2000, 64, environment))
     start = time.monotonic()
-    ro = ro_.generate([chat(tokenizer, question(1, 2))], 1, 1.0)
+    ro = ro_.generate(as_rows([chat(tokenizer, question(1, 2))]), 1, 1.0)
     assert time.monotonic() - start < 6
     assert ro.conversations[0]["tool_results"] == [
         "error: the tool took longer than 1 s", "error: WorkerDied: the process of this call ended (exit code 3)",
         "started", "a", "error: not run: more than 4 calls in one turn (rollout.multi_turn.max_calls_per_turn)"]
     env_ro = env_rollout(tokenizer, f"{files}/envs.py:Faulty")
-    from agents.multi_turn import generate_for
-    generate_for(env_ro, rows_of(tokenizer, [{"turns": 3, "fault": "spawn"}]), 1, 1.0)
+    env_ro.generate(rows_of(tokenizer, [{"turns": 3, "fault": "spawn"}]), 1, 1.0)
     groups = [environment.host.proc.pid, env_ro.s.environment.host.proc.pid]
     assert all(any("time.sleep(300)" in line for line in group_processes(g)) for g in groups)
     ro_.close()
@@ -267,7 +265,7 @@ def test_a_killed_run_leaves_no_process_behind(files, tmp_path):
         import sys, time
         sys.path.insert(0, {REPO!r})
         from agents.episodes import ObjectHost
-        host = ObjectHost({{"env": ("{files}/envs.py", "Faulty")}}, 5.0, check=("{REPO}/environments.py",
+        host = ObjectHost({{"env": ("{files}/envs.py", "Faulty")}}, 5.0, check=("{REPO}/agents/environments.py",
                                                                                "check_environment_class"))
         keys = host.open("env", 2)
         host.call_all([(k, "reset", ({{"extra_info": {{"turns": 3, "fault": "spawn"}}}},)) for k in keys])
@@ -366,7 +364,8 @@ def test_a_trl_environment_factory_class_has_its_methods_called_as_tools(tokeniz
     """A class of TRL's environment_factory (no step): reset(**row), its public method the tool the model calls
     (Hermes format), on the episode's own instance, so its count carries from call to call; its JSON schema shown
     to the chat template; the turn without a call ends the episode, paid get_reward() at that turn's last token."""
-    from agents.multi_turn import check_multi_turn, generate_for, with_tools
+    from agents.multi_turn import AgentRollout, check_multi_turn
+    from infra.distributed import max_over_processes
     from infra.cli import load_config
     cfg = load_config(None, ["rollout.multi_turn.enable=true", f"rollout.multi_turn.env={files}/envs.py:Increment",
                              "rollout.multi_turn.max_turns=4", "rollout.max_response_length=400"])
@@ -375,9 +374,9 @@ def test_a_trl_environment_factory_class_has_its_methods_called_as_tools(tokeniz
     calls = ['<tool_call>{"name": "increment", "arguments": {"a": 2}}</tool_call>',
              '<tool_call>{"name": "increment", "arguments": {"a": 3}}</tool_call>', "done"]
     reply = lambda context, j: calls[context.count("<|im_start|>tool")]  # noqa: E731
-    ro_ = with_tools(ScriptedBackend(tokenizer, reply), settings, tokenizer)
+    ro_ = AgentRollout(ScriptedBackend(tokenizer, reply), tokenizer, settings, max_over_processes)
     try:
-        ro = generate_for(ro_, rows_of(tokenizer, [{"start": 10}, {"start": 20}]), 1, 1.0)
+        ro = ro_.generate(rows_of(tokenizer, [{"start": 10}, {"start": 20}]), 1, 1.0)
     finally:
         ro_.close()
     assert [c["tool_results"] for c in ro.conversations] == [["12", "15"], ["22", "25"]]

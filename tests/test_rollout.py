@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 
+from conftest import as_rows
 from infra.cli import load_config
 from rollout import HFRollout, make_rollout
 
@@ -137,8 +138,8 @@ def engine(tiny_model_dir, random_model, tokenizer):
 def greedy_both(rollout, model, tokenizer, prompts, cfg):
     """Sync `model` into the engine; greedy responses from vLLM and from HF generate on `model` itself."""
     rollout.sync_weights(model)
-    vllm_out = rollout.generate(prompts, 1, 0.0)
-    hf_out = HFRollout(model, tokenizer, cfg.rollout).generate(prompts, 1, 0.0)
+    vllm_out = rollout.generate(as_rows(prompts), 1, 0.0)
+    hf_out = HFRollout(model, tokenizer, cfg.rollout).generate(as_rows(prompts), 1, 0.0)
     return vllm_out, hf_out
 
 
@@ -182,7 +183,7 @@ def test_sampler_logprobs_match_recomputed_logprobs(engine, random_model, prompt
     rollout, T, n = engine(dtype), 0.7, 4
     rollout.sync_weights(random_model)
     batch = prompts[::12]
-    out = rollout.generate(batch, n, T, seed=0)
+    out = rollout.generate(as_rows(batch), n, T, seed=0)
     ref = recomputed_logprobs(random_model, batch, n, out, T)
     mask = out.response_mask.bool()
     diff = (out.logprobs - ref).abs()[mask]
@@ -202,12 +203,12 @@ def test_same_seed_same_samples_other_seed_other_samples(engine, random_model, p
     rollout = engine("fp32")
     rollout.sync_weights(random_model)
     batch = prompts[:4]
-    a, b, c = (rollout.generate(batch, 3, 1.0, seed=s) for s in (7, 7, 8))
+    a, b, c = (rollout.generate(as_rows(batch), 3, 1.0, seed=s) for s in (7, 7, 8))
     assert torch.equal(a.responses, b.responses) and torch.equal(a.logprobs, b.logprobs)
     assert not torch.equal(a.responses, c.responses)
     rollout.rank = 1
     try:
-        d = rollout.generate(batch, 3, 1.0, seed=7)
+        d = rollout.generate(as_rows(batch), 3, 1.0, seed=7)
     finally:
         rollout.rank = 0
     assert not torch.equal(a.responses, d.responses)
@@ -223,7 +224,7 @@ def test_rollout_rows_order_eos_and_masks(engine, hello_model, random_model, tok
     rollout, n = engine("fp32"), 3
     rollout.sync_weights(hello_model)
     batch = prompts[:6]
-    out = rollout.generate(batch, n, 1.0, seed=1)
+    out = rollout.generate(as_rows(batch), n, 1.0, seed=1)
     B, Tr = len(batch) * n, out.responses.shape[1]
     assert out.responses.shape == out.response_mask.shape == out.logprobs.shape == (B, Tr) and Tr <= MAX_RESPONSE
     assert out.logprobs.dtype == torch.float32
@@ -241,10 +242,10 @@ def test_rollout_rows_order_eos_and_masks(engine, hello_model, random_model, tok
 
     rollout.sync_weights(random_model)  # greedy answers that differ from prompt to prompt
     batch = prompts[::24]
-    greedy = rollout.generate(batch, n, 0.0)
+    greedy = rollout.generate(as_rows(batch), n, 0.0)
     assert len({tuple(r.tolist()) for r in greedy.responses}) > 1
     for i, p in enumerate(batch):
-        alone = rollout.generate([p], 1, 0.0).responses[0]
+        alone = rollout.generate(as_rows([p]), 1, 0.0).responses[0]
         for j in range(n):
             row = greedy.responses[i * n + j]
             assert torch.equal(row[:len(alone)], alone) and (row[len(alone):] == tokenizer.pad_token_id).all()
@@ -303,7 +304,7 @@ def test_a_sleeping_engine_wakes_weights_then_syncs_then_wakes_its_kv_cache(rand
     rollout = engine_stand_in(RecordingEngine(), asleep={"weights", "kv_cache"})
     on_a_gpu(monkeypatch, rollout.llm.calls)
     rollout.sync_weights(random_model)
-    rollout.generate([[1, 2, 3]], n=1, temperature=1.0, seed=0)
+    rollout.generate(as_rows([[1, 2, 3]]), n=1, temperature=1.0, seed=0)
     assert rollout.llm.calls == ["empty_cache", ("wake_up", ["weights"]), "collective_rpc", "empty_cache",
                                  ("wake_up", ["kv_cache"]), "reset_prefix_cache", "generate", "sleep"]
     assert rollout.asleep == {"weights", "kv_cache"}
@@ -457,7 +458,7 @@ def test_hf_rollout_generates_on_the_accelerators_device_not_its_parameters(tiny
     CPU offload it took the CPU)."""
     model = EOSModel(tokenizer.eos_token_id)
     cfg = make_config(tiny_model_dir, name="hf")
-    out = make_rollout(cfg, model, tokenizer, FakeAccelerator()).generate(prompts[:2], 2, 1.0)
+    out = make_rollout(cfg, model, tokenizer, FakeAccelerator()).generate(as_rows(prompts[:2]), 2, 1.0)
     assert model.devices == ["cpu"] and out.responses.tolist() == [[tokenizer.eos_token_id]] * 4
 
 
@@ -474,7 +475,7 @@ def test_hf_rollout_under_fsdp2_makes_as_many_generate_calls_as_the_busiest_proc
     for batch, rows in ((prompts[:3], 6), ([], 0)):  # 2 calls of its own, or none
         model = EOSModel(tokenizer.eos_token_id)
         out = HFRollout(model, tokenizer, cfg.rollout, synced_gpus=True, device=torch.device("cpu")).generate(
-            batch, 2, 1.0)
+            as_rows(batch), 2, 1.0)
         assert len(model.devices) == 3 and len(out.responses) == rows == len(out.response_mask)
 
 
@@ -498,12 +499,12 @@ def test_ignore_eos_gives_full_length_responses(engine, tiny_model_dir, hello_mo
     rollout.sync_weights(hello_model)  # a model that would stop early
     rollout.cfg.ignore_eos = True
     try:
-        vllm_out = rollout.generate(prompts[:6], 2, 1.0, seed=3)
+        vllm_out = rollout.generate(as_rows(prompts[:6]), 2, 1.0, seed=3)
     finally:
         rollout.cfg.ignore_eos = False
     cfg = make_config(tiny_model_dir)
     cfg.rollout.ignore_eos = True
-    hf_out = HFRollout(hello_model, tokenizer, cfg.rollout).generate(prompts[:6], 2, 1.0)
+    hf_out = HFRollout(hello_model, tokenizer, cfg.rollout).generate(as_rows(prompts[:6]), 2, 1.0)
     for out in (vllm_out, hf_out):
         assert out.responses.shape == (12, MAX_RESPONSE) and out.response_mask.all()
         assert not (out.responses == tokenizer.eos_token_id).any()

@@ -18,7 +18,7 @@ import psutil
 import pytest
 import torch
 
-from conftest import REPO, arithmetic_run_folder, free_port, read_metrics
+from conftest import REPO, arithmetic_run_folder, as_rows, free_port, read_metrics
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                                    reason="vLLM is not installed")]
@@ -79,7 +79,7 @@ def hf_greedy(model, prompts: list, eos: int) -> list[list[int]]:
 
 
 def served_greedy(rollout, prompts: list) -> list[list[int]]:
-    out = rollout.generate(prompts, 1, 0.0)
+    out = rollout.generate(as_rows(prompts), 1, 0.0)
     return [row[mask.bool()].tolist() for row, mask in zip(out.responses, out.response_mask)]
 
 

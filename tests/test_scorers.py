@@ -180,7 +180,7 @@ def test_step_rewards_change_gae_as_computed_by_hand():
 def test_samples_carry_token_rewards_and_extras_through_rounds():
     """Samples.cat of a round with token rewards and one without: zeros stand for the missing ones, padded to the
     longest response; the extras follow their rows, and take keeps both."""
-    from sampling import Samples
+    from infra.rollout_common import Samples
 
     def samples(T, rewards, extra):
         return Samples([{}], torch.zeros(1, T, dtype=torch.long), torch.ones(1, T), None, ["x"], torch.zeros(1),
@@ -192,12 +192,12 @@ def test_samples_carry_token_rewards_and_extras_through_rounds():
 
 
 def test_the_sampler_adds_the_rollouts_token_rewards_to_the_scorers(tmp_path):
-    """Sampler step 2–3 with a rollout that rewards a turn during the rollout (Rollout.token_rewards, as an
-    environment would) and a step-reward function: Samples.token_rewards is the sum of the two, the score is the
-    function's, and each sample's extras travel in Samples.extras."""
+    """Step 2–3 (rollout.generate, then rewards.score_samples) with a rollout that rewards a turn during the
+    rollout (Rollout.token_rewards, as an environment would) and a step-reward function: Samples.token_rewards is
+    the sum of the two, the score is the function's, and each sample's extras travel in Samples.extras."""
     from rewards import Scores
-    from sampling import Samples
-    from sampling import Sampler
+    from infra.rollout_common import Samples
+    from rewards import score_samples
     from rewards import Scorer
     path = tmp_path / "steps.py"
     path.write_text(STEP_REWARD)
@@ -209,15 +209,17 @@ def test_the_sampler_adds_the_rollouts_token_rewards_to_the_scorers(tmp_path):
     class Rollout:
         eos_ids = {tok.eos_token_id}
 
-        def generate(self, prompts, n, temperature, seed):
+        def generate(self, rows, n, temperature, seed=None):
             ro = rollout_of(tok, texts)
             ro.token_rewards = turn_rewards
             return ro
     accelerator = SimpleNamespace(device=torch.device("cpu"), reduce=lambda x, op: x)
     cfg = load_config(None, [f"reward.function={path}:compute_score", "rollout.n=2"])
     scorer = Scorer(cfg.reward, "cpu", None, tokenizer=tok)
-    sample = Sampler(Rollout(), tok, scorer, accelerator, cfg, 1, version=0)  # as batch() sets it
-    got, metrics = sample([dict(ROWS[0], prompt_ids=[1])], seed=0, times={})
+    rows = [dict(ROWS[0], prompt_ids=[1])]
+    ro = Rollout().generate(rows, 2, 1.0, seed=0)
+    got, metrics = score_samples([r for r in rows for _ in range(2)], ro, scorer, tok, {tok.eos_token_id}, cfg,
+                                 accelerator)
     alone = scorer([ROWS[0]] * 2, texts, rollout_of(tok, texts))
     assert isinstance(got, Samples) and isinstance(alone, Scores) and got.scores.tolist() == [1.0, 0.0]
     assert torch.allclose(got.token_rewards, alone.token_rewards + turn_rewards)
@@ -341,7 +343,7 @@ def test_a_teacher_equal_to_the_policy_adds_exactly_zero_and_a_hand_case():
     """mode=reward: teacher log-probs equal to the policy's add exactly 0 to the token rewards, whatever the
     estimator; log π = [−1, −2], log π_teacher = [−1.5, −1], coef 0.5, k1: −0.5·(log π − log π_teacher) = [−0.25,
     0.5], added to the scorers' token rewards. mode=loss leaves the rewards alone."""
-    from ppo import distilled
+    from kl import distillation_rewards as distilled
     old = torch.tensor([[-1.0, -2.0]])
     for estimator in ("k1", "k2", "k3", "abs"):
         teacher = SimpleNamespace(mode="reward", coef=0.5, kl_estimator=estimator)
