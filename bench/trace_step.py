@@ -25,6 +25,7 @@ Figures printed (and written to OUT as JSON with the lists behind them):
   modules ppo.py imports      library modules in sys.modules right after `import ppo`
 """
 import argparse
+import importlib.util
 import json
 import os
 import random
@@ -43,49 +44,18 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXCLUDED_DIRS = ("tests", "bench", "examples", ".venv")
 
-# ---- the tiny model and data, made without the library (as tests/conftest.py's make_tokenizer, make_tiny_model)
+# ---- the tiny model and data, made without the library: tests/conftest.py's make_tiny_model, loaded from its file
+# (not through sys.path, which --tree gives to the traced tree)
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-CORPUS = [f"What is {a} + {b}? Reply with only the number. {a + b}" for a in range(12) for b in range(12)] + [
-    "system user assistant The answer is yes no good bad hello world Human Assistant"]
 ARITHMETIC_SYSTEM = "Add the numbers."  # data.py's, as data.make_arithmetic writes its rows
 ARITHMETIC_SHOT = ("6 + 7", "6 + 7 = 13")
 
 
-def make_tokenizer(corpus=CORPUS, vocab_size=200):
-    """A byte-level BPE tokenizer trained on `corpus`, with a chat template and <|im_end|> as EOS and pad."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(corpus, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
-                                   pad_token="<|im_end|>", unk_token="<|endoftext|>", chat_template=CHAT_TEMPLATE)
-
-
-def make_tiny_model(path, seed=0):
-    """A random 2-layer Llama (hidden 128, 2 heads of 64, intermediate 256) and its tokenizer saved to `path`."""
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    tokenizer = make_tokenizer()
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
+def make_tiny_model(path):
+    spec = importlib.util.spec_from_file_location("trace_step_conftest", os.path.join(HERE, "tests", "conftest.py"))
+    conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conftest)
+    return conftest.make_tiny_model(path)
 
 
 def arithmetic_rows(n: int, seed: int) -> list[dict]:
