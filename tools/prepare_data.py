@@ -204,7 +204,7 @@ def reasoning_gym_split(task: str, args) -> tuple[list[dict], list[dict]]:
 
 def verifiers_split(target: str) -> tuple[list[dict], list[dict]]:
     """A verifiers environment's dataset and eval dataset as rows; a DataError when it cannot be loaded."""
-    import environments_verifiers
+    from agents import verifiers as environments_verifiers
     try:
         return environments_verifiers.dataset_rows(target, "train"), environments_verifiers.dataset_rows(target, "eval")
     except Exception as e:  # whatever the user's load_environment raises
