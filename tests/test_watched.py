@@ -9,6 +9,7 @@ rolls back on it downwards (lower is better), against its best or against the pr
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -281,25 +282,38 @@ def test_worse_than_pretrained_rolls_back_to_best_or_stops_where_there_is_none(k
 
 
 def test_a_run_whose_perplexity_rises_rolls_back_on_it(answered, tmp_path):
-    """A 3-step LoRA GRPO run at a learning rate that drives the tiny model away, validating every step with
+    """A 3-step LoRA GRPO run at 10× the tests' learning rate, validating every step with
     trainer.best_metric=val/perplexity (lower is better) and a tolerance of 0: val/perplexity is logged at every
-    validation (the pre-trained value at step 0); step 1's becomes best/, step 2's is higher and rolls back once
-    (train/rollbacks 0, 1, 1), and the step_2 checkpoint saved after it holds exactly best/'s weights."""
+    validation (the pre-trained value at step 0); it falls at step 2 (best/) and rises at step 3, which rolls back
+    once (train/rollbacks 0, 0, 1), and the step_3 checkpoint saved after it holds exactly best/'s weights."""
     out = tmp_path / "run"
-    proc = run_ppo(answered, out, "actor.optim.lr=0.05",
-                   "trainer.total_steps=3", "trainer.test_freq=1", "trainer.save_freq=1", "trainer.keep_checkpoints=3",
-                   "trainer.best_metric=val/perplexity", "trainer.rollback_tolerance=0", "trainer.max_rollbacks=1",
-                   "trainer.sample_freq=0")
+    proc = run_ppo(answered, out, "actor.optim.lr=0.01", "trainer.total_steps=3", "trainer.test_freq=1",
+                   "trainer.save_freq=1", "trainer.keep_checkpoints=4", "trainer.best_metric=val/perplexity",
+                   "trainer.rollback_tolerance=0", "trainer.max_rollbacks=1", "trainer.sample_freq=0")
     lines = read_metrics(out)
     perplexity = [line["val/perplexity"] for line in lines]
     assert [line["step"] for line in lines] == [0, 1, 2, 3] and all(p > 1 for p in perplexity)
-    assert perplexity[2] > perplexity[1], perplexity
-    assert [line["train/rollbacks"] for line in lines[1:]] == [0, 1, 1]
-    assert f"rollback at step 2: val/perplexity {perplexity[2]:.4g} rose more than" in proc.stdout
+    assert perplexity[2] < perplexity[1] and perplexity[3] > perplexity[2], perplexity
+    assert [line["train/rollbacks"] for line in lines[1:]] == [0, 0, 1]
+    assert (f"rollback at step 3: val/perplexity {perplexity[3]:.4g} rose more than trainer.rollback_tolerance 0 "
+            f"above its best, {perplexity[2]:.4g} at step 2") in proc.stdout
     assert "val/perplexity: on extra_info.answer of 8 of the 8 validation rows" in proc.stdout
     with open(out / "best" / "state.json") as f:
-        assert json.load(f)["best"] == {"step": 1, "value": perplexity[1]}
-    best, step_2 = checkpoint_tensors(out / "best"), checkpoint_tensors(out / "step_2")
-    assert best.keys() == step_2.keys() and all(torch.equal(best[k], step_2[k]) for k in best)
+        assert json.load(f)["best"] == {"step": 2, "value": perplexity[2]}
+    best, step_3 = checkpoint_tensors(out / "best"), checkpoint_tensors(out / "step_3")
+    assert best.keys() == step_3.keys() and all(torch.equal(best[k], step_3[k]) for k in best)
     assert os.path.getsize(out / "curves.png") > 1000
 
+
+def test_a_run_worse_than_pretrained_with_no_best_yet_stops(answered, tmp_path):
+    """trainer.rollback_baseline=pretrained: at a learning rate of 0.3 the first validation's perplexity is far
+    above the pre-trained one, and no best/ exists yet: the run stops in one sentence, exit 1, without final/."""
+    out = tmp_path / "run"
+    proc = run_ppo(answered, out, "actor.optim.lr=0.3", "trainer.total_steps=2", "trainer.test_freq=1",
+                   "trainer.best_metric=val/perplexity", "trainer.rollback_baseline=pretrained",
+                   "trainer.rollback_tolerance=50", "trainer.sample_freq=0", expect_ok=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    pretrained = read_metrics(out)[0]["val/perplexity"]
+    assert re.search(rf"stopping at step 1: val/perplexity [0-9.]+ rose more than trainer.rollback_tolerance 50 "
+                     rf"above its value before training, {pretrained:.4g}, and no best/ exists yet", proc.stderr)
+    assert not (out / "final").exists()
