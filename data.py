@@ -293,14 +293,17 @@ def arithmetic_prompt(a: int, b: int) -> list[dict]:
             {"role": "assistant", "content": ARITHMETIC_SHOT[1]}, {"role": "user", "content": f"{a} + {b}"}]
 
 
-def make_arithmetic(n: int, seed: int) -> list[dict]:
-    """n addition prompts in our RL layout; the strict `arithmetic` reward wants only the number."""
+def make_arithmetic(n: int, seed: int, answers: bool = False) -> list[dict]:
+    """n addition prompts in our RL layout; the strict `arithmetic` reward wants only the number. answers: each row's
+    extra_info.answer is the answer written out as the worked example writes it ("6 + 7 = 13"), the reference text
+    of val/perplexity (data.val_reference)."""
     rng = random.Random(seed)
     rows = []
     for i in range(n):
         a, b = arithmetic_question(rng)
-        rows.append({"prompt": arithmetic_prompt(a, b), "ground_truth": str(a + b),
-                     "data_source": "arithmetic", "extra_info": {"index": i, "a": a, "b": b}})
+        written = {"answer": f"{a} + {b} = {a + b}"} if answers else {}
+        rows.append({"prompt": arithmetic_prompt(a, b), "ground_truth": str(a + b), "data_source": "arithmetic",
+                     "extra_info": {"index": i, "a": a, "b": b, **written}})
     return rows
 
 

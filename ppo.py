@@ -57,7 +57,7 @@ The batch, a dict of tensors with one row per sequence, filled step by step (mic
     response_attention_mask      (B, Tr)  2. multi-turn (agents/multi_turn.py): 1 on tool answers too, where response_mask is 0
     rollout_logprobs             (B, Tr)  2. the sampler's; absent where the rollout has none (rollout.name=hf)
     old_logprobs                 (B, Tr)  4. the policy's before the update; absent under departure 3
-    ref_logprobs                 (B, Tr)  4. the reference's; absent without a KL term (reward or loss)
+    ref_logprobs                 (B, Tr)  4. the reference's; absent without a KL term and trainer.max_kl=0
     teacher_logprobs             (B, Tr)  4. on-policy distillation's teacher's; absent without algorithm.teacher.path
     old_values                   (B, Tr)  4. the critic's; absent without a critic
     trunk_prompt, trunk_response (B, Tq, H), (B, Tr, H)  4. the frozen trunk's output (infra/trunk.py); absent without
@@ -87,7 +87,7 @@ from critic import value_loss, value_metrics
 from infra import cli, config
 from infra.batches import (autocast_dtype, Forward, micro_batch, per_token_pass, resolve_dtype, set_train_mode,
                            split_micro)
-from infra.checks import check_combinations, check_sizes, Sizes
+from infra.checks import check_combinations, check_sizes, describe_guards, needs_reference, Sizes
 from infra.config import ConfigError
 from infra.distributed import fsdp_from_launcher, make_accelerator, max_over_processes, use_cpu
 from infra.layouts import batch_layout
@@ -97,18 +97,18 @@ from infra.rollout_common import Samples
 from infra.models import check_model_folders, check_teacher, load_models, load_teacher, policy_tokenizer
 from infra.optim import make_optimizer, StopAtMicroBatch, train_step
 from infra.runs import check_learning, Interrupted, save_checkpoint, start_run, StopSignal
-from infra.train_state import best_metric_missing, keep_best, resume, save_final, step_seed, TrainState
+from infra.train_state import keep_best, resume, save_final, step_seed, TrainState
 from infra.trunk import plan_trunk
 from kl import distillation_rewards, KLController, kl_estimate, kl_penalty_rewards
 from losses import agg_loss, Clip, Counts, mini_batch_counts, POLICY_LOSSES, policy_loss_mask, rollout_is_weights
 from data import load_prompts
 from rewards import check_data_sources, check_reward_inputs, rule_needing_truth, score_samples, Scorer
 from rollout import check_rollout, check_turns, make_rollout, rollout_is_level, RunAhead
-from validation import check_best_metric, validate
+from validation import check_best_metric, held_out_perplexity, reference_text, validate
 
 CONSOLE_KEYS = ["score/mean", "reward/mean", "kl/mean", "policy/entropy", "policy/clipfrac", "loss/policy",
                 "loss/value", "value/explained_var", "response/length_mean", "val/score/mean", "val/rule_score/mean",
-                "time/step_s"]
+                "val/perplexity", "time/step_s"]
 
 # ---------------------------------------------------------------------------------------
 # The losses of one micro-batch, each returning (loss, metrics), with the run's settings bound once (main)
@@ -263,10 +263,11 @@ def teacher_logprobs(teacher, micro, fwd: Forward):
     return dataclasses.replace(fwd, trunk=None).logprobs(teacher, micro)[0]
 
 
-def guards(t, state, metrics: dict) -> tuple[Optional[str], Optional[str]]:
-    """(why to stop, or None; a warning, or None): the mean kl/mean of the last trainer.max_kl_window steps (kept in
-    state.recent_kl, this step's added) above trainer.max_kl, or policy/entropy below trainer.min_entropy (a stop or
-    a warning, as trainer.min_entropy_action says)."""
+def guards(t, state, metrics: dict, warn) -> Optional[str]:
+    """Why to stop, or None: the mean kl/mean of the last trainer.max_kl_window steps (kept in state.recent_kl, this
+    step's added) above trainer.max_kl, or policy/entropy below trainer.min_entropy (a stop, or a warning said
+    through warn, as trainer.min_entropy_action says). kl/mean is absent only where no actor update ran (critic
+    warm-up: the policy is still the reference, so 0 is its value) or with trainer.max_kl=0."""
     state.recent_kl = (state.recent_kl + [metrics.get("kl/mean", 0.0)])[-t.max_kl_window:]
     recent_kl, entropy, stop, warning = state.recent_kl, metrics.get("policy/entropy"), None, None
     mean_kl = sum(recent_kl) / len(recent_kl)
@@ -275,7 +276,9 @@ def guards(t, state, metrics: dict) -> tuple[Optional[str], Optional[str]]:
     if t.min_entropy and entropy is not None and entropy < t.min_entropy:
         message = f"policy/entropy {entropy:.4f} < trainer.min_entropy {t.min_entropy}"
         stop, warning = (message, None) if t.min_entropy_action == "stop" else (stop, message)
-    return stop, warning
+    if warning:
+        warn("warning: " + warning)
+    return stop
 
 
 def check_names(cfg) -> None:
@@ -302,20 +305,22 @@ def check_names(cfg) -> None:
 
 @dataclass(frozen=True)
 class Inputs:
-    """What check_inputs reads: tokenizer, prompts, the sizes they were checked for, and with rollout.multi_turn the
-    started environment's settings (rollout.check_turns)."""
+    """What check_inputs reads: tokenizer, prompts, the sizes they were checked for, with rollout.multi_turn the
+    started environment's settings (rollout.check_turns), and val/perplexity's text (validation.References)."""
     tokenizer: object
     train_rows: list
     val_rows: list
     sizes: Sizes
     turns: object
+    references: object
 
 
 def check_inputs(cfg, num_processes: int, print0=print) -> Inputs:
     """Everything before a model loads, for `num_processes` processes: the tables' names, the model folders (the
     critic's too, when there is one), the teacher's with its vocabulary, each reward source's inputs, the loggers'
-    packages, the launcher's FSDP settings, the prompts (a rule's rows must have a ground truth), the batch sizes and
-    trainer.best_metric; `ppo.py --check` stops here."""
+    packages, the launcher's FSDP settings, the prompts (a rule's rows must have a ground truth), the batch sizes,
+    val/perplexity's text and trainer.best_metric; then says in one line each what the guards watch and what
+    val/perplexity is measured on. `ppo.py --check` stops here."""
     check_names(cfg)
     needs_critic = cfg.algorithm.adv_estimator in NEEDS_CRITIC
     check_model_folders(cfg.model, (cfg.critic.model_path or cfg.model.path) if needs_critic else None)
@@ -329,8 +334,10 @@ def check_inputs(cfg, num_processes: int, print0=print) -> Inputs:
     sizes = check_sizes(cfg, num_processes, len(train_rows))
     check_data_sources({r["data_source"] for r in train_rows + val_rows}, cfg.reward)  # each has a rule
     turns = check_turns(cfg, tokenizer)  # multi-turn: the environment or tools start, the template fits; or None
-    check_best_metric(cfg, {r["data_source"] for r in val_rows}, turns.metric_names() if turns else ())  # logged
-    return Inputs(tokenizer, train_rows, val_rows, sizes, turns)
+    references = reference_text(cfg, val_rows, tokenizer)  # val/perplexity's text (data.val_reference)
+    check_best_metric(cfg, {r["data_source"] for r in val_rows}, turns.metric_names() if turns else (), references)
+    print0(describe_guards(cfg) + "\nval/perplexity: " + references.source)
+    return Inputs(tokenizer, train_rows, val_rows, sizes, turns, references)
 
 
 def check_only(cfg, num_processes: int) -> str:
@@ -398,11 +405,13 @@ def main(cfg: config.Config):
     critic_update = critic and Update("critic", critic, critic_opt, critic_sched, CriticLoss.from_config(cfg, fwd),
                                       "response_mask", sizes.critic_micro, cfg.critic.max_grad_norm)
 
-    if t.val_before_train and val_rows and state.step == 0:
-        metrics = validate(cfg, rollout, tokenizer, scorer, val_rows, accelerator)
+    validating = functools.partial(validate, cfg, rollout, tokenizer, scorer, val_rows, accelerator,  # val/perplexity:
+                                   functools.partial(held_out_perplexity, policy, fwd, inputs.references, accelerator))
+    if t.val_before_train and val_rows and state.step == 0:  # the pre-trained values
+        metrics = validating()
         print0("validation before training: " + console_line(metrics, sorted(metrics)))
-        if t.best_metric and (missing := best_metric_missing(t.best_metric, metrics)):  # val/env/<key>: misspelt?
-            print0("warning: " + missing)
+        if t.best_metric and (said := keep_best(accelerator, cfg, metrics, state, checkpointed)):  # val/env/<key>?
+            print0(said)
         logger.log(metrics, 0)
     if signum := stop_signal.received(accelerator):
         raise Interrupted(signum, "during the validation before training; nothing was trained")
@@ -449,7 +458,7 @@ def main(cfg: config.Config):
         if needs_old_logprobs(cfg, sizes.num_mini):
             with timed(times, "time/old_logprob_s"):
                 batch["old_logprobs"] = no_grad_pass(lambda micro: fwd.logprobs(policy, micro)[0])  # (B, Tr)
-        if alg.use_kl_in_reward or alg.use_kl_loss:
+        if needs_reference(cfg):  # a KL term, or the trainer.max_kl guard's kl/mean
             with timed(times, "time/ref_s"):
                 batch["ref_logprobs"] = no_grad_pass(lambda micro: ref_logprobs(ref, policy, micro, fwd))  # (B, Tr)
         if teacher is not None:  # on-policy distillation: the teacher's log-probs of the policy's own samples
@@ -520,14 +529,11 @@ def main(cfg: config.Config):
         state.step = step
 
         # ---- guards: a run that drifts too far from the reference, or collapses, is validated and stops
-        stop_reason, warning = guards(t, state, metrics)
-        if warning:
-            print0("warning: " + warning)
+        stop_reason = guards(t, state, metrics, warn=print0)
 
         # validate (every test_freq steps, and at the end however it comes), keep the best, roll back, and log
         if val_rows and not cut.signum and (due(t.test_freq, step) or step == t.total_steps or stop_reason):
-            val_metrics = validate(cfg, rollout, tokenizer, scorer, val_rows, accelerator)
-            metrics.update(val_metrics)
+            metrics.update(val_metrics := validating())
             if t.best_metric and (rollback := keep_best(accelerator, cfg, val_metrics, state, checkpointed)):
                 print0(rollback)
                 rollout.sync_weights(policy, max(0, step - cfg.critic.warmup_steps))  # the next: best/'s weights

@@ -1,28 +1,35 @@
 """Validation: rollout.val_n responses per validation prompt, scored as training scores them (rewards.Scorer), and
 what k samples of a prompt tell: mean@k, unbiased pass@k and maj@k per data_source, and beside a reward model, judge
-or reward server the task's rule on the same answers (val/rule_score/mean), so that reward hacking shows.
+or reward server the task's rule on the same answers (val/rule_score/mean), so that reward hacking shows; and the
+policy's perplexity of held-out reference text (val/perplexity, data.val_reference).
 
-    metrics = validate(cfg, rollout, tokenizer, scorer, val_rows, accelerator)    # ppo.py, every trainer.test_freq
+    metrics = validate(cfg, rollout, tokenizer, scorer, val_rows, accelerator, perplexity)   # every trainer.test_freq
 
 check_best_metric, before any model loads, holds trainer.best_metric to the names validation logs (logged_names).
 """
+import dataclasses
 import difflib
 import functools
 import math
+import os
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 
+from data import load_preferences, render_prompt, tokenize_prompts
+from infra.batches import micro_batch, set_train_mode
 from infra.config import ConfigError
 from infra.metrics import reduce_metrics, sum_over_processes
-from infra.rollout_common import with_conversations
+from infra.rollout_common import left_pad, right_pad, with_conversations
 from rewards import decode_responses, one_rule, reward_sources, rule_for, score_on_every_process, score_responses
 
 
 @torch.no_grad()
-def validate(cfg, rollout, tokenizer, scorer, val_rows, accelerator) -> dict:
+def validate(cfg, rollout, tokenizer, scorer, val_rows, accelerator, perplexity=None) -> dict:
     """rollout.val_n responses per validation prompt at rollout.val_temperature (one, greedy, by default), scored:
-    validation_metrics. Every validation samples with the run's seed, so that they differ by the policy."""
+    validation_metrics; and perplexity() (held_out_perplexity, bound to the policy) where given. Every validation
+    samples with the run's seed, so that they differ by the policy."""
     k, mine = cfg.rollout.val_n, val_rows[accelerator.process_index::accelerator.num_processes]
     ro = rollout.generate(mine, k, cfg.rollout.val_temperature, seed=cfg.trainer.seed)
     texts = decode_responses(tokenizer, ro)
@@ -30,7 +37,81 @@ def validate(cfg, rollout, tokenizer, scorer, val_rows, accelerator) -> dict:
     rows = with_conversations([r for r in mine for _ in range(k)], ro)  # multi-turn: the reward reads them
     metrics = validation_metrics(scorer, rows, texts, sources, accelerator, k, ro=ro)
     turn_metrics = reduce_metrics(accelerator, ro.metrics) if ro.metrics else {}  # agent/*: multi-turn only
-    return {**metrics, **{f"val/{key}": value for key, value in turn_metrics.items()}}
+    metrics.update({f"val/{key}": value for key, value in turn_metrics.items()})
+    return {**metrics, **(perplexity() if perplexity else {})}
+
+
+# ---- val/perplexity: the policy on held-out reference text
+
+
+@dataclass(frozen=True)
+class References:
+    """val/perplexity's text, tokenised at start-up (reference_text): each a prompt and its reference response."""
+    rows: list  # {"prompt_ids": [...], "reference_ids": [..., EOS]}; empty: no val/perplexity
+    pad_id: int
+    size: int  # rows a forward: actor.log_prob_micro_batch_size_per_device
+    source: str  # what the text is, or why there is none: the start-up line
+
+
+def field_of(row: dict, spec: str):
+    """The value at a dotted field of a data row ("extra_info.answer", "ground_truth"), or None."""
+    for key in spec.split("."):
+        row = row.get(key) if isinstance(row, dict) else None
+    return row
+
+
+def reference_text(cfg, val_rows: list, tokenizer) -> References:
+    """data.val_reference read and tokenised before any model loads: a field of the validation rows (the rows that
+    have it, none: no val/perplexity), or a parquet of preference pairs (their chosen responses, data.val_max_samples
+    of them); none without validation. Each response ends with the EOS that ends a sampled one."""
+    cfg_data, eos = cfg.data, [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    spec, none = cfg_data.val_reference, functools.partial(References, [], tokenizer.pad_token_id, 0)
+    if not spec or not val_rows:
+        return none(f"none (data.val_reference={spec}, data.val_files={cfg_data.val_files})")
+    if spec.endswith(".parquet"):
+        if not os.path.isfile(spec):
+            raise ConfigError(f"data.val_reference: {spec} does not exist; give a parquet of preference pairs "
+                              f"(prompt, chosen), a field of the validation rows (extra_info.answer), or null")
+        pairs = load_preferences(spec)[0][:cfg_data.val_max_samples or None]
+        prompts = tokenize_prompts([render_prompt(pair["prompt"], tokenizer) for pair in pairs], tokenizer)
+        texts, source = [pair["chosen"] for pair in pairs], f"the chosen responses of {spec}, {len(pairs)} of them"
+    else:
+        found = [(row["prompt_ids"], str(text)) for row in val_rows if (text := field_of(row, spec)) not in (None, "")]
+        prompts, texts = [ids for ids, _ in found], [text for _, text in found]
+        source = f"{spec} of {len(texts)} of the {len(val_rows)} validation rows"
+        if not texts:
+            return none(f"none ({source}; set data.val_reference to a field they have, or a parquet)")
+    ids = tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+    rows = [{"prompt_ids": list(p), "reference_ids": r + eos} for p, r in zip(prompts, ids)]
+    return References(rows, tokenizer.pad_token_id, cfg.actor.log_prob_micro_batch_size_per_device, "on " + source)
+
+
+@torch.no_grad()
+def held_out_perplexity(policy, fwd, references: References, accelerator) -> dict:
+    """{"val/perplexity": exp(−Σ log π(y_t | prompt, y_<t) / Σ 1)} over every token of every reference response,
+    whichever process holds it, at temperature 1 from the embeddings up (no trunk states); {} without references.
+    references.size rows a forward; every process runs as many forwards (FSDP2's collectives), a short share padded with
+    rows of weight 0."""
+    if not references.rows:
+        return {}
+    rows, world = references.rows, accelerator.num_processes
+    share = -(-len(rows) // world)
+    mine = rows[accelerator.process_index::world]
+    weights = torch.tensor([1.0] * len(mine) + [0.0] * (share - len(mine)), dtype=torch.float64)  # (B,)
+    mine = mine + rows[:share - len(mine)]
+    queries, query_mask = left_pad([r["prompt_ids"] for r in mine], references.pad_id)  # (B, Tq)
+    responses, response_mask = right_pad([r["reference_ids"] for r in mine], references.pad_id)  # (B, Tr)
+    batch = dict(queries=queries, query_mask=query_mask, responses=responses, response_mask=response_mask)
+    whole = dataclasses.replace(fwd, temperature=1.0, trunk=None)
+    set_train_mode([policy], False)
+    total = torch.zeros(2, dtype=torch.float64)  # Σ log-prob, token count
+    for inds in torch.arange(share).split(references.size):
+        mb = micro_batch(batch, inds, accelerator.device)
+        mask = mb["response_mask"].cpu().double() * weights[inds, None]  # (b, tr)
+        logprobs = whole.logprobs(policy, mb)[0].cpu().double()  # (b, tr)
+        total += torch.stack([(logprobs * mask).sum(), mask.sum()])
+    total = sum_over_processes(accelerator, total)
+    return {"val/perplexity": math.exp(-(total[0] / total[1]).item())}
 
 
 def validation_metrics(scorer, rows: list[dict], texts: list[str], sources: list, accelerator, k: int = 1,
@@ -109,13 +190,13 @@ def pass_and_majority(rows: list[dict], scores: list, answers: list, sources: li
 ENV_INFO = "val/env/"  # + <key>: a number an environment's step infos give, named only once it runs
 
 
-def logged_names(cfg, sources: set, turn_metrics=()) -> set[str]:
+def logged_names(cfg, sources: set, turn_metrics=(), perplexity: bool = False) -> set[str]:
     """Every name that ppo.py's validation can log (validation.py): val/score/mean and val/<data_source>/score for
     the validation data's sources; with rollout.val_n = k > 1 and a score that is one rule's (rewards.one_rule),
     val/pass@j/mean and val/<data_source>/pass@j for j = 1, 2, 4, … and k, and maj@k (logged where the rule gives
     its answers); with any other score, val/rule_score/mean; with rollout.multi_turn, val/<key> for each
     key of `turn_metrics` (agents/multi_turn.py's TurnSettings.metric_names). With an environment, also val/env/<key> (ENV_INFO) for the
-    numbers in its infos, which no name here can list."""
+    numbers in its infos, which no name here can list. With held-out reference text (`perplexity`), val/perplexity."""
     k, rule_alone = cfg.rollout.val_n, one_rule(reward_sources(cfg.reward))
     names = {"val/score/mean"} | {f"val/{src}/score" for src in sources}
     if k > 1 and rule_alone:
@@ -126,18 +207,23 @@ def logged_names(cfg, sources: set, turn_metrics=()) -> set[str]:
         names.add("val/rule_score/mean")
     if cfg.rollout.multi_turn.enable:
         names |= {f"val/{key}" for key in turn_metrics}
+    if perplexity:
+        names.add("val/perplexity")
     return names
 
 
-
-def check_best_metric(cfg, sources: set, turn_metrics=()) -> None:
+def check_best_metric(cfg, sources: set, turn_metrics=(), references=None) -> None:
     """trainer.best_metric is a name this run's validation logs (logged_names), checked once the validation
     data is read and before any model loads; a misspelt one used to fail at the first validation, with
-    trainer.test_freq=0 only after the last step, losing the run."""
+    trainer.test_freq=0 only after the last step, losing the run. val/perplexity needs `references` with rows."""
     best = cfg.trainer.best_metric
     if not best:
         return
-    names = logged_names(cfg, sources, turn_metrics)
+    if best == "val/perplexity" and not (references and references.rows):
+        raise ConfigError(f"trainer.best_metric=val/perplexity needs held-out reference text, and there is "
+                          f"{references.source if references else 'none'}: set data.val_reference to a field the "
+                          f"validation rows have or to a parquet of preference pairs")
+    names = logged_names(cfg, sources, turn_metrics, perplexity=bool(references and references.rows))
     if cfg.rollout.multi_turn.env and best.startswith(ENV_INFO) and len(best) > len(ENV_INFO):
         return  # an environment's info: said at each validation that lacks it (train_state.best_metric_missing)
     if best not in names:

@@ -73,6 +73,44 @@ def check_combinations(cfg) -> None:
     if t.rollback_tolerance is not None and not t.best_metric:
         raise ConfigError("trainer.rollback_tolerance rolls back to the best checkpoint: set trainer.best_metric too "
                           "(e.g. val/score/mean)")
+    if t.rollback_tolerance is not None and not t.test_freq:
+        raise ConfigError("trainer.rollback_tolerance acts at a validation during training, and trainer.test_freq=0 "
+                          "validates only after the last step: set trainer.test_freq > 0")
+    if t.rollback_baseline == "pretrained" and (t.rollback_tolerance is None or not t.val_before_train):
+        raise ConfigError("trainer.rollback_baseline=pretrained compares each validation with the one before "
+                          "training: set trainer.rollback_tolerance and trainer.val_before_train=true")
+
+
+def lower_is_better(t) -> bool:
+    """Whether trainer.best_metric improves downwards: trainer.best_metric_mode, where auto means lower for a
+    perplexity or a loss (val/perplexity, val/…/loss) and higher for anything else (scores, pass@k)."""
+    if t.best_metric_mode != "auto":
+        return t.best_metric_mode == "min"
+    return t.best_metric.endswith(("perplexity", "loss"))
+
+
+def describe_guards(cfg) -> str:
+    """The start-up line naming each guard that is on and what it watches, or that none is."""
+    t, said = cfg.trainer, []
+    if t.max_kl:
+        said.append(f"kl/mean (k1 to the reference, computed each step) over {t.max_kl_window} steps > {t.max_kl} "
+                    f"stops")
+    if t.min_entropy:
+        said.append(f"policy/entropy < {t.min_entropy} {t.min_entropy_action}s")
+    if t.best_metric:
+        direction = "lower" if lower_is_better(t) else "higher"
+        said.append(f"best/ keeps the best {t.best_metric} ({direction} is better)" + (
+            "" if t.rollback_tolerance is None else f", rolled back to when it is worse than its "
+            f"{'value before training' if t.rollback_baseline == 'pretrained' else 'best'} by more than "
+            f"{t.rollback_tolerance}"))
+    return "guards: " + ("; ".join(said) if said else "none (trainer.max_kl, min_entropy, best_metric are off)")
+
+
+def needs_reference(cfg) -> bool:
+    """Whether a run computes the reference's log-probs (ppo.py's step 4): for a KL term, in the reward or the loss,
+    or for the trainer.max_kl guard, which reads kl/mean whatever the KL terms."""
+    alg = cfg.algorithm
+    return alg.use_kl_in_reward or alg.use_kl_loss or cfg.trainer.max_kl > 0
 
 
 def rejection_band(alg) -> tuple[float, float]:

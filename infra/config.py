@@ -76,6 +76,12 @@ class DataConfig:
     """reshuffle the prompts every epoch"""
     val_max_samples: int = 200
     """validate on at most this many rows (0 = all)"""
+    val_reference: Optional[str] = "extra_info.answer"
+    """the held-out text of val/perplexity, exp(−mean token log-prob) of the policy over it, each text the response to
+    its prompt (its EOS included), at every validation and the one before training (the pre-trained value): a field of
+    the validation rows (extra_info.answer: verl's GSM8K rows and the demo's carry a written-out answer; or
+    ground_truth), measured on the rows that have it and not logged where none has; or a parquet of preference pairs
+    (prompt, chosen: their chosen responses, e.g. data/preferences/val.parquet); null = no val/perplexity"""
 
 
 @dataclass
@@ -213,7 +219,9 @@ class TrainerConfig(RunFields):
     val_before_train: bool = True
     """validate once before the first step"""
     max_kl: float = 0.1
-    """stop (after a checkpoint) when kl/mean, averaged over the last max_kl_window steps, exceeds this (0 = never)"""
+    """stop (after a checkpoint) when kl/mean (k1 to the reference), averaged over the last max_kl_window steps,
+    exceeds this; the reference's log-probs are computed for it whatever the KL terms, a no-grad forward a step
+    (with LoRA the adapter-off actor, else a frozen copy of the model) (0 = never, and no reference forward)"""
     max_kl_window: int = 10
     """steps averaged by the max_kl guard: one step's estimate from a small batch is noisy (the demo's
     32 samples gave 0.003, 0.16, 0.07 on consecutive steps)"""
@@ -224,11 +232,19 @@ class TrainerConfig(RunFields):
     plot_curves: bool = True
     """write curves.png at the end"""
     best_metric: Optional[str] = None
-    """a validation metric (e.g. val/score/mean; higher is better): the checkpoint where it was highest is kept in
-    output_dir/best/, which keep_checkpoints never deletes (export it with tools/export.py); null = off"""
+    """a validation metric (e.g. val/score/mean, val/perplexity): the checkpoint where it was best (best_metric_mode)
+    is kept in output_dir/best/, which keep_checkpoints never deletes (export it with tools/export.py); null = off"""
+    best_metric_mode: Literal["auto", "max", "min"] = "auto"
+    """whether a higher (max) or lower (min) best_metric is better; auto: min for a name ending in perplexity or
+    loss, max for any other (scores, pass@k)"""
     rollback_tolerance: Optional[float] = None
-    """when best_metric falls more than this below its best at a validation, restore best/'s weights, optimiser
-    states and β and train on from there (the step count, data order and LR schedule go on); null = never"""
+    """when best_metric is worse than rollback_baseline by more than this at a validation, restore best/'s weights,
+    optimiser states and β and train on from there (the step count, data order and LR schedule go on); null = never"""
+    rollback_baseline: Literal["best", "pretrained"] = "best"
+    """what rollback_tolerance measures from: best_metric's best so far, or its value at the validation before
+    training (the pre-trained model's; needs val_before_train), rolling back to best/ where one exists and stopping
+    the run, without final/, where none does yet (e.g. val/perplexity: never train on from a model worse than the
+    one the run started from)"""
     max_rollbacks: int = 3
     """most rollbacks in a run (train/rollbacks counts them)"""
 

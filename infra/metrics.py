@@ -15,7 +15,8 @@ from infra.config import ConfigError, SaveError
 
 OPTIONAL_LOGGERS = ("wandb", "tensorboard")  # each is also the name of the package it needs
 WANDB_ID_FILE = "wandb_id.txt"  # in output_dir: the wandb run a resumed run continues
-CURVE_KEYS = ["score/mean", "reward/mean", "kl/mean", "policy/entropy", "loss/value", "val/score/mean"]
+CURVE_KEYS = ["score/mean", "reward/mean", "kl/mean", "policy/entropy", "loss/value", "val/score/mean",
+              "val/perplexity"]
 
 
 def check_loggers(loggers: list, key: str) -> None:

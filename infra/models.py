@@ -22,6 +22,7 @@ import tempfile
 import torch
 
 from infra.batches import autocast_dtype
+from infra.checks import needs_reference
 from infra.config import ConfigError, SaveError, write_error
 from infra.layouts import use_varlen_attention
 from infra.distributed import describe, distribute
@@ -264,8 +265,8 @@ def frozen_linears_in(model, dtype) -> None:
 
 
 def load_models(cfg, accelerator, fsdp, fwd, with_critic: bool):
-    """ppo.py's models: the actor, the frozen reference (None without a KL term, or with LoRA: the actor with its
-    adapter disabled is the reference) and the critic (None unless with_critic), each sharded under FSDP2, else
+    """ppo.py's models: the actor, the frozen reference (None where none is needed: needs_reference, or with LoRA: the
+    actor with its adapter disabled is the reference) and the critic (None unless with_critic), each sharded under FSDP2, else
     replicated (distributed.distribute). fwd: the run's batches.Forward — its layout, and its trunk (the critic
     then holds only the layers above it: load_critic)."""
     compute = autocast_dtype(cfg.model.dtype) if fsdp is None else None  # FSDP2 gathers in its own param_dtype
@@ -273,7 +274,7 @@ def load_models(cfg, accelerator, fsdp, fwd, with_critic: bool):
     frozen_linears_in(policy, compute)
     policy = distribute(policy, accelerator, fsdp, trainable=True)
     ref = critic = None
-    if (cfg.algorithm.use_kl_in_reward or cfg.algorithm.use_kl_loss) and cfg.model.lora_rank == 0:
+    if needs_reference(cfg) and cfg.model.lora_rank == 0:
         dtype = reference_dtype(accelerator.device, autocast_dtype(cfg.model.dtype))
         ref = load_reference(cfg.model.path, dtype, trust_remote_code=cfg.model.trust_remote_code)
         frozen_linears_in(ref, compute)

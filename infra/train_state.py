@@ -7,12 +7,13 @@ from typing import Optional
 import torch
 
 from infra import cli
+from infra.checks import lower_is_better
 from infra.distributed import full_state_dict, load_training_state, rng_state, set_rng_state
 from infra.metrics import MetricsLogger, plot_curves, wandb_resume_id
 from infra.models import save_pretrained_atomic
 from infra.optim import restore_schedule
 from infra.manifests import changed_base, checkpoint_problem
-from infra.runs import BEST, best_step, on_rank0, resume_or_start, run_bases, save_checkpoint
+from infra.runs import BEST, best_step, on_rank0, resume_or_start, run_bases, RunError, save_checkpoint
 
 
 def step_seed(seed: int, step: int, stream: int) -> int:
@@ -32,16 +33,19 @@ class TrainState:
         self.recent_kl = []  # kl/mean of the last trainer.max_kl_window steps, for the guard
         self.schedulers = {name: s for name, s in schedulers.items() if s is not None}
         self.best, self.rollbacks = None, 0  # best: {"step", "value"} of trainer.best_metric, saved in best/
+        self.pretrained = None  # trainer.best_metric at the validation before training
 
     def state_dict(self):
         return {"step": self.step, "epoch": self.epoch, "position": self.position, "skipped": self.skipped,
                 "kl_coef": self.kl_ctrl.value, "recent_kl": self.recent_kl, "best": self.best,
-                "rollbacks": self.rollbacks, "lr_steps": {name: s.last_epoch for name, s in self.schedulers.items()}}
+                "rollbacks": self.rollbacks, "pretrained": self.pretrained,
+                "lr_steps": {name: s.last_epoch for name, s in self.schedulers.items()}}
 
     def load_state_dict(self, s):
         self.step, self.epoch, self.position, self.skipped = s["step"], s["epoch"], s["position"], s["skipped"]
         self.kl_ctrl.value, self.recent_kl = s["kl_coef"], s["recent_kl"]
         self.best, self.rollbacks = s.get("best"), s.get("rollbacks", 0)  # absent in older checkpoints
+        self.pretrained = s.get("pretrained")
         for name, scheduler in self.schedulers.items():
             restore_schedule(scheduler, s["lr_steps"][name])
 
@@ -118,26 +122,39 @@ def best_metric_missing(best_metric: str, val_metrics: dict) -> Optional[str]:
 
 
 def keep_best(accelerator, cfg, val_metrics: dict, state: TrainState, checkpointed: dict) -> Optional[str]:
-    """After a validation: best/ saved where trainer.best_metric beats its best so far; with trainer.rollback_tolerance,
-    best/ restored where it falls further than that below it (ppo.py, departure 7), at most trainer.max_rollbacks
+    """After a validation: best/ saved where trainer.best_metric beats its best so far (checks.lower_is_better says
+    which way); with trainer.rollback_tolerance, best/ restored where it is worse than trainer.rollback_baseline (its
+    best, or its value before training) by more than that (ppo.py, departure 7), at most trainer.max_rollbacks
     times. Returns the rollback's sentence (or why there is none, or why no best/ was kept: best_metric_missing), or
-    None. The first validation after step 1 is the first candidate: best/ holds optimiser states, which do not exist
-    before the first update.
+    None. The validation before training (step 0) gives the pre-trained value and keeps no best/ (best/ holds
+    optimiser states, which do not exist before the first update); where a rollback is due against it and no best/
+    exists yet, the run stops (RunError: no final/) rather than train on from a model worse than where it started.
     best/ is checked first (best_problem): a damaged or missing one is said once and never read; the run goes on
     from its own weights, and no rollback is tried again until a better validation writes a new best/."""
     t = cfg.trainer
     if missing := best_metric_missing(t.best_metric, val_metrics):
         return f"no best/ at step {state.step}: {missing}"
-    value, best = val_metrics[t.best_metric], state.best
-    if best is None or value > best["value"]:
+    value, best, sign = val_metrics[t.best_metric], state.best, -1 if lower_is_better(t) else 1  # sign·value: higher
+    if state.step == 0:
+        state.pretrained = value
+        return None
+    pretrained = t.rollback_baseline == "pretrained"
+    baseline = state.pretrained if pretrained else best and best["value"]
+    tolerance = t.rollback_tolerance
+    worse = tolerance is not None and baseline is not None and sign * (baseline - value) > tolerance
+    fell = worse and (f"{t.best_metric} {value:.4g} {'fell' if sign > 0 else 'rose'} more than trainer.rollback_"
+                      f"tolerance {tolerance:g} {'below' if sign > 0 else 'above'} " + (
+                          f"its value before training, {baseline:.4g}" if pretrained else
+                          f"its best, {baseline:.4g} at step {best['step']}"))
+    if worse and best is None:
+        raise RunError(f"stopping at step {state.step}: {fell}, and no best/ exists yet to roll back to "
+                       f"(trainer.rollback_baseline=pretrained); no final/ written")
+    if best is None or sign * (value - best["value"]) > 0:
         state.best = {"step": state.step, "value": value}
         save_checkpoint(accelerator, t.output_dir, state.step, 0, checkpointed, state.state_dict(), folder=BEST)
         return None
-    if (t.rollback_tolerance is None or value >= best["value"] - t.rollback_tolerance
-            or state.rollbacks >= t.max_rollbacks or best.get("problem")):
+    if not worse or state.rollbacks >= t.max_rollbacks or best.get("problem"):
         return None
-    fell = (f"{t.best_metric} {value:.4g} fell more than trainer.rollback_tolerance {t.rollback_tolerance} below its "
-            f"best, {best['value']:.4g} at step {best['step']}")
     problem = on_rank0(accelerator, lambda: best_problem(t.output_dir, best))
     if problem:
         best["problem"] = problem  # in state.json too: a resumed run does not try again
