@@ -293,7 +293,7 @@ def arithmetic_prompt(a: int, b: int) -> list[dict]:
             {"role": "assistant", "content": ARITHMETIC_SHOT[1]}, {"role": "user", "content": f"{a} + {b}"}]
 
 
-def make_arithmetic(n: int, seed: int, answers: bool = False) -> list[dict]:
+def make_arithmetic(n: int, seed: int, answers: bool = True) -> list[dict]:
     """n addition prompts in our RL layout; the strict `arithmetic` reward wants only the number. answers: each row's
     extra_info.answer is the answer written out as the worked example writes it ("6 + 7 = 13"), the reference text
     of val/perplexity (data.val_reference)."""

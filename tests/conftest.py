@@ -163,10 +163,11 @@ def make_tiny_model(path, seed=0, tokenizer=None, arch="llama", layers=2, kv_hea
 
 def arithmetic_run_folder(root, train: int, val: int):
     """`root` holding what a tiny ppo.py run reads: model/ (make_tiny_model), and train.parquet and val.parquet of
-    `train` and `val` arithmetic prompts (data.make_arithmetic, seed 0). Returns root."""
+    `train` and `val` arithmetic prompts (data.make_arithmetic, seed 0, without reference answers: no val/perplexity,
+    so that runs log the rows of the commits before it). Returns root."""
     import data
     make_tiny_model(root / "model")
-    rows = data.make_arithmetic(train + val, seed=0)
+    rows = data.make_arithmetic(train + val, seed=0, answers=False)
     data.write_parquet(rows[:train], str(root / "train.parquet"))
     data.write_parquet(rows[train:], str(root / "val.parquet"))
     return root

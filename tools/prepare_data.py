@@ -23,7 +23,6 @@ for rollout.multi_turn.env=verifiers:<the same> (agents/verifiers.py).
 """
 import argparse
 import difflib
-import functools
 import json
 import os
 import random
@@ -35,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from data import (check_prompt, DataError, ground_truth_of, make_arithmetic, make_arithmetic_preferences,
                   make_arithmetic_tool, make_guess_number, split_rows, write_parquet)
 
-TASKS = {"arithmetic": functools.partial(make_arithmetic, answers=True),  # extra_info.answer: val/perplexity's text
+TASKS = {"arithmetic": make_arithmetic,  # with extra_info.answer: val/perplexity's text
          "arithmetic-preferences": make_arithmetic_preferences,
          "arithmetic-tool": make_arithmetic_tool, "guess-number": make_guess_number}  # and reasoning_gym:<name>
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'  # verl's wording
