@@ -80,3 +80,70 @@ def test_training_writes_metrics_and_a_loadable_final(workdir, tmp_path):
     assert "val/rewards/accuracies" in lines[-1]
     assert not (out / "final" / "adapter_config.json").exists() and (out / "final_adapter").is_dir()
     AutoModelForCausalLM.from_pretrained(out / "final")
+
+
+SAME = ["loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen"]
+
+
+def trained(out) -> list[dict]:
+    return [m for m in read_metrics(out) if m["step"] > 0]
+
+
+def test_micro_batches_and_processes_give_the_same_steps(workdir, tmp_path):
+    """One micro-batch of 8 pairs, four of 2, and 2 processes (DDP over gloo, 4 pairs each) give the same loss and
+    gradient norm at step 1, and so the same weights: the same metrics at step 2 (departure 4)."""
+    from conftest import free_port
+    args = ["dpo.total_steps=2", "dpo.eval_freq=0", "dpo.val_before_train=false", "dpo.val_prompts=null",
+            "dpo.save_freq=0"]
+    run_stage("dpo.py", "dpo", workdir, tmp_path / "one", *args, "dpo.micro_batch_size_per_device=8")
+    run_stage("dpo.py", "dpo", workdir, tmp_path / "micro", *args, "dpo.micro_batch_size_per_device=2")
+    launcher = ["-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/ddp_cpu.yaml",
+                "--num_processes", "2", "--main_process_port", str(free_port())]
+    proc = subprocess.run([sys.executable, *launcher, "dpo.py", "--config", "configs.yaml",
+                           f"dpo.model_path={workdir}/model", f"dpo.train_files={workdir}/train.parquet",
+                           f"dpo.val_files={workdir}/val.parquet", f"dpo.output_dir={tmp_path / 'ddp'}",
+                           "dpo.batch_size=8", "dpo.micro_batch_size_per_device=4", "dpo.lora_rank=8", *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    one = trained(tmp_path / "one")
+    for other in (trained(tmp_path / "micro"), trained(tmp_path / "ddp")):
+        assert [m["step"] for m in other] == [1, 2]
+        for a, b in zip(one, other):
+            for key in SAME:
+                assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
+    assert one[1]["loss"] != one[0]["loss"]  # the step changed the weights
+
+
+@pytest.mark.parametrize("reference", ["adapter_off", "precomputed_full"])
+def test_resume_is_bit_for_bit(workdir, tmp_path, reference):
+    """4 steps in one run equal 2 steps, stopped, then resumed to 4 from step_2: every metric line but the timings
+    is identical, under LoRA (the reference: the adapter off) and with full weights and the frozen reference's
+    log-probs computed once (precompute_ref_log_probs)."""
+    args = ["dpo.optim.lr_scheduler=constant", "dpo.optim.warmup_ratio=0", "dpo.save_freq=2", "dpo.eval_freq=2"]
+    if reference == "precomputed_full":
+        args += ["dpo.lora_rank=0", "dpo.precompute_ref_log_probs=true", "dpo.optim.lr=1e-4"]
+    run_stage("dpo.py", "dpo", workdir, tmp_path / "a", "dpo.total_steps=4", *args)
+    run_stage("dpo.py", "dpo", workdir, tmp_path / "b", "dpo.total_steps=2", *args)
+    proc = run_stage("dpo.py", "dpo", workdir, tmp_path / "b", "dpo.total_steps=4", *args)
+    assert "resumed from" in proc.stdout and "step_2" in proc.stdout
+    strip = [{k: v for k, v in m.items() if not k.startswith("time/")} for m in read_metrics(tmp_path / "a")]
+    resumed = [{k: v for k, v in m.items() if not k.startswith("time/")} for m in read_metrics(tmp_path / "b")]
+    assert [m["step"] for m in resumed] == [0, 1, 2, 3, 4]
+    assert resumed == strip
+    assert strip[3]["loss"] != strip[1]["loss"]
+
+
+def test_precomputed_reference_equals_the_live_one(workdir, tmp_path):
+    """The reference's log-probs computed once before training (departure 1) give the same steps as computing them
+    at every step, under LoRA (the adapter switched off) and with a frozen full copy."""
+    args = ["dpo.total_steps=2", "dpo.eval_freq=0", "dpo.val_before_train=false", "dpo.val_prompts=null",
+            "dpo.save_freq=0"]
+    for rank in ("8", "0"):
+        live, once = tmp_path / f"live{rank}", tmp_path / f"once{rank}"
+        run_stage("dpo.py", "dpo", workdir, live, *args, f"dpo.lora_rank={rank}")
+        proc = run_stage("dpo.py", "dpo", workdir, once, *args, f"dpo.lora_rank={rank}",
+                         "dpo.precompute_ref_log_probs=true")
+        assert "computed once" in proc.stdout
+        for a, b in zip(trained(live), trained(once)):
+            for key in SAME:
+                assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (rank, a["step"], key)
