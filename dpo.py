@@ -37,7 +37,6 @@ import time
 
 import torch
 import torch.nn.functional as F
-from accelerate.utils import set_seed
 from tqdm import tqdm
 
 from data import load_preferences, load_rl_dataset, tokenize_completions
@@ -45,14 +44,14 @@ from infra import cli
 from infra.batches import autocast_dtype, Forward
 from infra.config import ConfigError, RewardConfig
 from infra.config_offline import DPOStage
-from infra.distributed import distribute, make_accelerator
-from infra.layouts import batch_layout
+from infra.distributed import distribute
+from infra.layouts import batch_layout, use_varlen_attention
 from infra.metrics import console_line
 from infra.models import load_policy, load_reference
-from infra.offline import (batch_indices, check_batch, check_folders, checkpoint_or_stop, completion_batch, open_log,
+from infra.offline import (batch_indices, begin, check_batch, check_folders, checkpoint_or_stop, completion_batch, open_log,
                            save_merged, Skips)
 from infra.optim import make_optimizer, train_step
-from infra.runs import start_run, StopSignal
+from infra.runs import StopSignal
 from ppo import ref_logprobs
 from rewards import rule_needing_truth
 from validation import greedy_validation
@@ -191,12 +190,10 @@ def check_only(cfg: DPOStage, num_processes: int) -> str:
 
 def main(cfg: DPOStage):
     d = cfg.dpo
-    accelerator = make_accelerator()  # the device, and the launched processes' group (infra/distributed.py)
-    print0, device = accelerator.print, accelerator.device
-    set_seed(d.seed)
-    lock, resume_from, finished = start_run(accelerator, cfg, "dpo")  # the lock is held until the process ends
+    accelerator, lock, resume_from, finished = begin(cfg, "dpo")  # the lock is held until the process ends
     if finished:
         return
+    print0, device = accelerator.print, accelerator.device
     # ---- inputs: pairs tokenised once, sizes checked before the model is loaded
     inputs = check_inputs(cfg, accelerator.num_processes, print0)
     tokenizer, train_pairs, local, micro = inputs["tokenizer"], inputs["train"], inputs["local"], inputs["micro"]
@@ -212,6 +209,9 @@ def main(cfg: DPOStage):
     models = {"model": (policy, optimizer)}
     logger, start, skipped = open_log(accelerator, cfg, "dpo", resume_from, models, scheduler)
     fwd = Forward(1.0, autocast_dtype(d.dtype), batch_layout(d, sharded=False))  # log π at temperature 1
+    for model in [accelerator.unwrap_model(policy), ref] if fwd.layout == "packed" else []:
+        if model is not None:  # attention within each prompt / prompt+response group of the packed row
+            use_varlen_attention(model)
     ref_table = None
     if d.precompute_ref_log_probs and d.loss_type not in REFERENCE_FREE:
         ref_table = precompute_ref_logprobs(ref, policy, train_pairs, micro, fwd, d, pad_id, device)

@@ -63,8 +63,6 @@ class OfflineFields(LoRAFields, RunFields, ModelFolderFields):
 
 @dataclass
 class SFTConfig(OfflineFields):
-    train_files: str = "data/sft/train.parquet"
-    val_files: Optional[str] = "data/sft/val.parquet"
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-4, warmup_ratio=0.05, min_lr_ratio=0.1))
     total_steps: int = 40
     output_dir: str = "outputs/sft"

@@ -2,7 +2,8 @@
 before a model loads, the step's rows, the batch in ppo.py's layout, the metrics log and resume, the count of skipped
 steps, the checkpoint (and the stop on a signal), and final/ as a plain HF folder, the LoRA adapter merged.
 
-    tokenizer = check_folders(section, "dpo")                        # before any model loads
+    accelerator, lock, resume_from, finished = begin(cfg, "dpo")     # before any model loads
+    tokenizer = check_folders(section, "dpo")
     local, micro = check_batch(section, "dpo", num_processes, len(rows), "pairs", print0)
     logger, start, skipped = open_log(accelerator, cfg, "dpo", resume_from, models, scheduler)
     …
@@ -16,16 +17,26 @@ import sys
 from dataclasses import dataclass
 
 import torch
+from accelerate.utils import set_seed
 
 from infra import cli
 from infra.checks import exact_div
 from infra.config import ConfigError
-from infra.distributed import fsdp_from_launcher
+from infra.distributed import fsdp_from_launcher, make_accelerator
 from infra.metrics import check_loggers, MetricsLogger, wandb_resume_id
 from infra.models import check_model_path, load_tokenizer, save_pretrained_atomic
 from infra.optim import restore_schedule
 from infra.rollout_common import left_pad, right_pad
-from infra.runs import resume_or_start, save_checkpoint, skipped_steps_error
+from infra.runs import resume_or_start, save_checkpoint, skipped_steps_error, start_run
+
+
+def begin(cfg, stage: str):
+    """A run's start, before anything loads: the accelerator (the device, and the launched processes' group), the
+    seed, and runs.start_run's lock on output_dir (hold it until the process ends), the checkpoint to resume from
+    (or None) and whether that run is already finished."""
+    accelerator = make_accelerator()
+    set_seed(getattr(cfg, stage).seed)
+    return (accelerator, *start_run(accelerator, cfg, stage))
 
 
 def check_folders(section, stage: str):

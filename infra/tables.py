@@ -16,7 +16,7 @@ class DataError(ConfigError):
     """A dataset that cannot be used as given; the message names the file, the row and the fix."""
 
 
-def read_parquet(path: str, columns: list[str]) -> pa.Table:
+def read_table(path: str, columns: list[str]) -> pa.Table:
     """The table at `path`, with `columns` and at least one row; else a DataError naming what is wrong."""
     if os.path.isdir(path):
         raise DataError(f"data file {path} is a directory; name the parquet file inside it, "
@@ -58,7 +58,7 @@ def load_preferences(path: str) -> tuple[list[dict], dict]:
     absent) and kind (a label, e.g. "tens"). Pairs with chosen == rejected teach nothing and are dropped.
     stats: {"rows": read, "kept": returned, "identical_dropped": dropped}.
     """
-    table = read_parquet(path, ["prompt", "chosen", "rejected"])
+    table = read_table(path, ["prompt", "chosen", "rejected"])
     rows, identical = [], 0
     for i, row in enumerate(table.to_pylist()):
         check_prompt(row["prompt"], f"{path} row {i}: ")
@@ -78,3 +78,33 @@ def load_preferences(path: str) -> tuple[list[dict], dict]:
     if not rows:
         raise DataError(f"{path}: all {identical} pairs have chosen == rejected; nothing to learn from")
     return rows, {"rows": table.num_rows, "kept": len(rows), "identical_dropped": identical}
+
+
+def load_sft_rows(path: str) -> tuple[list[dict], dict]:
+    """Rows for supervised fine-tuning, {"prompt", "response"}, from any of three layouts: `messages` (a chat;
+    every assistant turn is a row, the conversation before it its prompt), `prompt` + `response`, or preference
+    pairs (their `chosen` side, load_preferences). stats: {"rows": read, "layout", "used"}."""
+    columns = read_table(path, []).column_names
+    if "messages" in columns:
+        rows = []
+        for i, row in enumerate(read_table(path, ["messages"]).to_pylist()):
+            chat = row["messages"]
+            check_prompt(chat, f"{path} row {i}: `messages` ")
+            turns = [t for t, m in enumerate(chat) if m["role"] == "assistant" and t > 0]
+            if not turns:
+                raise DataError(f"{path} row {i}: `messages` has no assistant turn after another message; every "
+                                f"conversation needs one to learn from")
+            rows += [{"prompt": chat[:t], "response": chat[t]["content"]} for t in turns]
+        return rows, {"rows": len(rows), "layout": "messages", "used": len(rows)}
+    if "response" in columns:
+        table = read_table(path, ["prompt", "response"]).to_pylist()
+        for i, row in enumerate(table):
+            check_prompt(row["prompt"], f"{path} row {i}: ")
+            if not isinstance(row["response"], str) or not row["response"].strip():
+                raise DataError(f"{path} row {i}: `response` must be a non-empty string")
+        return table, {"rows": len(table), "layout": "prompt+response", "used": len(table)}
+    rows, stats = load_preferences(path)
+    return [{"prompt": r["prompt"], "response": r["chosen"]} for r in rows], {**stats, "layout": "chosen"}
+
+
+read_parquet = read_table  # the name data.py's readers use
