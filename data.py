@@ -19,7 +19,7 @@ import random
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from infra.tables import check_prompt, DataError, load_preferences, read_parquet  # noqa: F401 (data.X)
+from infra.tables import check_prompt, DataError, load_preferences, preference_row, read_parquet  # noqa: F401 (data.X)
 
 # The demo prompt is a one-shot chat. Asked plainly ("What is 6 + 6?"), SmolLM2-135M-Instruct answers in
 # sentences; shown "2 + 3" → "5" it answers a bare number but is right only 0.2 of the time; shown the

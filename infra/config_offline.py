@@ -65,6 +65,7 @@ class OfflineFields(LoRAFields, RunFields, ModelFolderFields):
 class SFTConfig(OfflineFields):
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-4, warmup_ratio=0.05, min_lr_ratio=0.1))
     total_steps: int = 40
+    eval_freq: int = 20
     output_dir: str = "outputs/sft"
     """metrics.jsonl, config.yaml, checkpoints, final/ (the model, LoRA merged, and tokenizer), final_adapter/"""
     project_name: str = "sft"
@@ -85,6 +86,8 @@ class DPOConfig(OfflineFields):
     """compute the reference's log-probs of every training pair once before the first step (one pass, no grad),
     not at every step"""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=5e-4, warmup_ratio=0.05, min_lr_ratio=0.1))
+    eval_freq: int = 30
+    save_freq: int = 30
     output_dir: str = "outputs/dpo"
     """metrics.jsonl, config.yaml, checkpoints, final/ (the model, LoRA merged, and tokenizer), final_adapter/"""
     project_name: str = "dpo"

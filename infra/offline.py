@@ -11,6 +11,7 @@ steps, the checkpoint (and the stop on a signal), and final/ as a plain HF folde
 
 The loop itself, its numbered steps and its loss, stays in each stage file.
 """
+import json
 import os
 import signal
 import sys
@@ -48,10 +49,24 @@ def check_folders(section, stage: str):
     check_loggers(section.logger, f"{stage}.logger")
     tokenizer_key = f"{stage}.tokenizer_path" if section.tokenizer_path else f"{stage}.model_path"
     check_model_path(section.model_path, f"{stage}.model_path", trust_remote_code=section.trust_remote_code)
+    check_causal_lm(section.model_path, f"{stage}.model_path")
     check_model_path(section.tokenizer_path or section.model_path, tokenizer_key, need="tokenizer",
                      trust_remote_code=section.trust_remote_code)
     return load_tokenizer(section.tokenizer_path or section.model_path, tokenizer_key,
                           trust_remote_code=section.trust_remote_code)
+
+
+def check_causal_lm(path: str, key: str) -> None:
+    """A local model folder whose config.json names architectures, none of them a causal LM (…ForCausalLM), is
+    refused in a sentence: a reward model's final/ (…ForSequenceClassification) is not a policy to train."""
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        return  # a hub id: the hub's config is read when it loads
+    with open(config_file) as f:
+        architectures = json.load(f).get("architectures") or []
+    if architectures and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures):
+        raise ConfigError(f"{key}: {path} holds a {', '.join(architectures)}, not a causal language model "
+                          f"(…ForCausalLM); give a policy's folder, e.g. another stage's final/ from sft.py or dpo.py")
 
 
 def check_batch(section, stage: str, num_processes: int, rows: int, unit: str, print0) -> tuple[int, int]:
