@@ -48,8 +48,8 @@ from infra.distributed import distribute
 from infra.layouts import batch_layout, use_varlen_attention
 from infra.metrics import console_line
 from infra.models import load_policy, load_reference
-from infra.offline import (batch_indices, begin, check_batch, check_folders, checkpoint_or_stop, completion_batch, open_log,
-                           save_merged, Skips)
+from infra.offline import (batch_indices, begin, check_batch, check_folders, checkpoint_or_stop, completion_batch,
+                           finish, open_log, Skips)
 from infra.optim import make_optimizer, train_step
 from infra.runs import StopSignal
 from ppo import ref_logprobs
@@ -107,6 +107,7 @@ def pair_terms(logps, ref_logps, d) -> tuple[torch.Tensor, torch.Tensor]:
 
 SUM_NAMES = ["loss", "rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected", "logps/chosen",
              "logps/rejected"]
+CURVES = ["loss", "rewards/accuracies", "rewards/margins", "val/rewards/accuracies", "val/score/mean", "grad_norm"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -273,12 +274,9 @@ def main(cfg: DPOStage):
                                                                     "lr_steps": scheduler.last_epoch},
                            stop_signal, logger)
 
-    # ---- final/: the policy as a plain causal LM (adapter merged), the next stage's model_path
-    if accelerator.is_main_process:
-        print0(f"wrote {save_merged(accelerator.unwrap_model(policy), tokenizer, d.output_dir, (d.model_path,))}")
-    accelerator.wait_for_everyone()
+    # ---- final/: the policy as a plain causal LM (adapter merged), the next stage's model_path; curves.png
     logger.close()
-    accelerator.end_training()
+    finish(accelerator, policy, tokenizer, d, CURVES)
 
 
 if __name__ == "__main__":

@@ -42,13 +42,15 @@ from infra.distributed import distribute
 from infra.layouts import batch_layout, use_varlen_attention
 from infra.metrics import console_line
 from infra.models import load_policy
-from infra.offline import (batch_indices, begin, check_batch, check_folders, checkpoint_or_stop, completion_batch, open_log,
-                           save_merged, Skips)
+from infra.offline import (batch_indices, begin, check_batch, check_folders, checkpoint_or_stop, completion_batch,
+                           finish, open_log, Skips)
 from infra.optim import make_optimizer, train_step
 from infra.runs import StopSignal
 from infra.tables import load_sft_rows
 from rewards import rule_needing_truth
 from validation import greedy_validation
+
+CURVES = ["loss", "val/loss", "val/score/mean", "grad_norm"]  # curves.png's panels
 
 
 def token_nll(logprobs, response_mask, tokens_in_batch: float):
@@ -171,12 +173,9 @@ def main(cfg: SFTStage):
         checkpoint_or_stop(accelerator, s, step + 1, last, models,
                            {"skipped": skips.total, "lr_steps": scheduler.last_epoch}, stop_signal, logger)
 
-    # ---- final/: a plain causal LM (adapter merged), the next stage's model_path
-    if accelerator.is_main_process:
-        print0(f"wrote {save_merged(accelerator.unwrap_model(model), tokenizer, s.output_dir, (s.model_path,))}")
-    accelerator.wait_for_everyone()
+    # ---- final/: a plain causal LM (adapter merged), the next stage's model_path; curves.png
     logger.close()
-    accelerator.end_training()
+    finish(accelerator, model, tokenizer, s, CURVES)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from infra import cli
 from infra.checks import exact_div
 from infra.config import ConfigError
 from infra.distributed import fsdp_from_launcher, make_accelerator
-from infra.metrics import check_loggers, MetricsLogger, wandb_resume_id
+from infra.metrics import check_loggers, MetricsLogger, plot_curves, wandb_resume_id
 from infra.models import check_model_path, load_tokenizer, save_pretrained_atomic
 from infra.optim import restore_schedule
 from infra.rollout_common import left_pad, right_pad
@@ -145,6 +145,19 @@ def checkpoint_or_stop(accelerator, section, step: int, last: bool, models: dict
                           f"same command again to resume")
         logger.close()
         sys.exit(128 + signum)
+
+
+def finish(accelerator, model, tokenizer, section, curves: list) -> None:
+    """The end of sft.py and dpo.py: rank 0 writes final/ (save_merged) and curves.png (the panels `curves`, from
+    metrics.jsonl); then every process leaves together."""
+    if accelerator.is_main_process:
+        final = save_merged(accelerator.unwrap_model(model), tokenizer, section.output_dir, (section.model_path,))
+        metrics_path = os.path.join(section.output_dir, "metrics.jsonl")
+        if os.path.exists(metrics_path):
+            plot_curves(metrics_path, os.path.join(section.output_dir, "curves.png"), curves)
+        accelerator.print(f"wrote {final} and curves.png")
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
 
 
 def save_merged(hf_model, tokenizer, output_dir: str, inputs: tuple = ()) -> str:
