@@ -33,7 +33,7 @@ class OfflineFields(LoRAFields, RunFields, ModelFolderFields):
     rejected; data.load_preferences reads every layout), and for sft.py also messages or prompt + response"""
     val_files: Optional[str] = "data/preferences/val.parquet"
     """held-out rows of the same kind, scored each eval_freq steps (the loss and its metrics); null = none"""
-    val_max_rows: int = 200
+    val_max_rows: int = 100
     """use at most this many of val_files' rows (0 = all)"""
     val_prompts: Optional[str] = "data/arithmetic/val.parquet"
     """RL prompts (data.load_rl_dataset's layout) answered greedily and scored by their data_source's rule, as
@@ -56,6 +56,7 @@ class OfflineFields(LoRAFields, RunFields, ModelFolderFields):
     """optimiser"""
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
+    total_steps: int = 40
     eval_freq: int = 20
     """validate every N steps (0 = only at the end)"""
     save_freq: int = 20
@@ -64,8 +65,6 @@ class OfflineFields(LoRAFields, RunFields, ModelFolderFields):
 @dataclass
 class SFTConfig(OfflineFields):
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-4, warmup_ratio=0.05, min_lr_ratio=0.1))
-    total_steps: int = 40
-    eval_freq: int = 20
     output_dir: str = "outputs/sft"
     """metrics.jsonl, config.yaml, checkpoints, final/ (the model, LoRA merged, and tokenizer), final_adapter/"""
     project_name: str = "sft"
@@ -86,8 +85,6 @@ class DPOConfig(OfflineFields):
     """compute the reference's log-probs of every training pair once before the first step (one pass, no grad),
     not at every step"""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=5e-4, warmup_ratio=0.05, min_lr_ratio=0.1))
-    eval_freq: int = 30
-    save_freq: int = 30
     output_dir: str = "outputs/dpo"
     """metrics.jsonl, config.yaml, checkpoints, final/ (the model, LoRA merged, and tokenizer), final_adapter/"""
     project_name: str = "dpo"
