@@ -56,10 +56,10 @@ class OfflineFields(LoRAFields, RunFields, ModelFolderFields):
     """optimiser"""
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
-    total_steps: int = 40
-    eval_freq: int = 20
+    total_steps: int = 20
+    eval_freq: int = 10
     """validate every N steps (0 = only at the end)"""
-    save_freq: int = 20
+    save_freq: int = 10
 
 
 @dataclass
