@@ -7,7 +7,7 @@ STAMP := .venv/.install-stamp
 MODEL := models/SmolLM2-135M-Instruct/config.json
 DATA := data/arithmetic/train.parquet
 
-.PHONY: install run test prepare preferences reward-model rlhf agent env FORCE
+.PHONY: install run test prepare preferences reward-model sft dpo rlhf agent env FORCE
 install: $(STAMP)
 	@echo ".venv: $$(cat $(STAMP))"
 
@@ -91,6 +91,15 @@ preferences: | $(STAMP)
 
 reward-model: $(MODEL) preferences
 	OMP_NUM_THREADS=$(THREADS) .venv/bin/accelerate launch --num_processes 1 reward_model.py --config configs.yaml
+
+# The offline stages on the same demo pairs, each validated as PPO is (greedy answers to data/arithmetic's prompts scored
+# by the rule: val/score/mean): SFT on the pairs' right answers (their chosen side), DPO on the pairs themselves.
+# Each writes final/, the next stage's model: dpo.model_path=outputs/sft/final, model.path=outputs/dpo/final.
+sft: $(MODEL) preferences $(DATA)
+	OMP_NUM_THREADS=$(THREADS) .venv/bin/accelerate launch --num_processes 1 sft.py --config configs.yaml $(SFT_ARGS)
+
+dpo: $(MODEL) preferences $(DATA)
+	OMP_NUM_THREADS=$(THREADS) .venv/bin/accelerate launch --num_processes 1 dpo.py --config configs.yaml $(DPO_ARGS)
 
 # The RLHF pipeline from nothing: preference pairs → reward model → PPO scored by it (standardised with the
 # reward model's own score statistics). Validation logs val/rule_score/mean beside the reward model's score:

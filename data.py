@@ -13,59 +13,19 @@ The demo asks "a + b" (one operand from 10 to 19, the other one-digit) in a one-
 of these sums wrong ("15 + 2 = 27"): room to learn one rule, the tens digit.
 """
 import math
-import numbers
 import os
 import random
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from infra.config import ConfigError
+from infra.tables import check_prompt, DataError, load_preferences, preference_row, read_parquet  # noqa: F401 (data.X)
 
 # The demo prompt is a one-shot chat. Asked plainly ("What is 6 + 6?"), SmolLM2-135M-Instruct answers in
 # sentences; shown "2 + 3" → "5" it answers a bare number but is right only 0.2 of the time; shown the
 # equation written out it is right on 0.95 of one-digit sums (measured on 100-200 prompts each).
 ARITHMETIC_SYSTEM = "Add the numbers."
 ARITHMETIC_SHOT = ("6 + 7", "6 + 7 = 13")
-
-
-class DataError(ConfigError):
-    """A dataset that cannot be used as given; the message names the file, the row and the fix."""
-
-
-# ---- reading
-def read_parquet(path: str, columns: list[str]) -> pa.Table:
-    """The table at `path`, with `columns` and at least one row; else a DataError naming what is wrong."""
-    if os.path.isdir(path):
-        raise DataError(f"data file {path} is a directory; name the parquet file inside it, "
-                        f"e.g. {path}/train.parquet")
-    if not os.path.isfile(path):
-        raise DataError(f"data file {path} does not exist; write one with `python tools/prepare_data.py --task "
-                        f"arithmetic --output data/arithmetic` or convert jsonl with `python tools/prepare_data.py --input x.jsonl "
-                        f"--output DIR`")
-    try:
-        table = pq.read_table(path)
-        table.validate(full=True)  # bad UTF-8 fails here, by column, not as a decode error while reading rows
-    except (pa.ArrowInvalid, OSError) as e:
-        if "UTF8" in str(e):
-            raise DataError(f"data file {path} holds text that is not valid UTF-8 ({e}); re-encode it") from None
-        raise DataError(f"data file {path} is not a readable parquet file: {e}") from None
-    for name in columns:
-        if name not in table.column_names:
-            raise DataError(f"{path}: missing column `{name}`; found columns {table.column_names}")
-    if table.num_rows == 0:
-        raise DataError(f"{path}: the file has 0 rows")
-    return table
-
-
-def check_prompt(prompt, where: str) -> None:
-    """Raise unless prompt is text or a chat: a non-empty list of {"role": str, "content": str} dicts."""
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in prompt)):
-        return
-    raise DataError(f"{where}`prompt` must be a string or a list of {{role, content}} messages, "
-                    f"got {type(prompt).__name__} {str(prompt)[:80]!r}")
 
 
 def raw_ground_truth(row: dict):
@@ -190,36 +150,6 @@ def load_prompts(cfg_data, tokenizer, print0, rule_of=None) -> tuple[list, list]
     return train_rows, val_rows
 
 
-def load_preferences(path: str) -> tuple[list[dict], dict]:
-    """Read preference pairs for the reward-model stage; returns (rows, stats).
-
-    Columns: prompt (text or chat messages), chosen, rejected (the *responses only*, strings: the caller prepends
-    the prompt; with an empty prompt they are whole HH-RLHF-style conversations), optional margin (float, 0.0 when
-    absent) and kind (a label, e.g. "tens"). Pairs with chosen == rejected teach nothing and are dropped.
-    stats: {"rows": read, "kept": returned, "identical_dropped": dropped}.
-    """
-    table = read_parquet(path, ["prompt", "chosen", "rejected"])
-    rows, identical = [], 0
-    for i, row in enumerate(table.to_pylist()):
-        check_prompt(row["prompt"], f"{path} row {i}: ")
-        if not (isinstance(row["chosen"], str) and isinstance(row["rejected"], str)):
-            raise DataError(f"{path} row {i}: `chosen` and `rejected` must be strings")
-        if not (row["chosen"].strip() and row["rejected"].strip()):
-            raise DataError(f"{path} row {i}: `chosen` and `rejected` must not be empty; drop the row or fill it in")
-        margin = row.get("margin")
-        if margin is not None and not (isinstance(margin, numbers.Real) and not isinstance(margin, bool)
-                                       and math.isfinite(margin)):
-            raise DataError(f"{path} row {i}: `margin` must be a finite number or null, got {margin!r}")
-        if row["chosen"] == row["rejected"]:
-            identical += 1
-            continue
-        kind = {"kind": row["kind"]} if row.get("kind") else {}  # optional: validation accuracy is also per kind
-        rows.append({**{k: row[k] for k in ("prompt", "chosen", "rejected")}, "margin": float(margin or 0.0), **kind})
-    if not rows:
-        raise DataError(f"{path}: all {identical} pairs have chosen == rejected; nothing to learn from")
-    return rows, {"rows": table.num_rows, "kept": len(rows), "identical_dropped": identical}
-
-
 # ---- writing
 def render(prompt, response: str, tokenizer) -> str:
     """One conversation as text, the reward model's input in training and in PPO alike: the chat template over
@@ -254,6 +184,38 @@ def load_pairs(path: str, tokenizer, max_length: int, overlong: str, use_margin:
         raise DataError(f"{path}: all {len(rows)} pairs are longer than reward_model.max_length={max_length}; "
                              f"raise it or set reward_model.overlong=truncate")
     return pairs, {**stats, "truncated": truncated, "overlong_dropped": dropped, "used": len(pairs)}
+
+
+def tokenize_completions(rows: list[dict], sides: tuple, tokenizer, max_length: int, overlong: str, where: str):
+    """sft.py's and dpo.py's rows → [(prompt_ids, [response_ids of each side])], and stats. The prompt is rendered
+    with the generation prompt (render_prompt), each response as the rest of its whole conversation (render) after
+    that text, tokenised alone, as TRL splits them: its ids end with what the template writes after an assistant
+    turn (SmolLM2's <|im_end|>), so the model learns to stop. A row longer than max_length (prompt + its longest
+    response): overlong=drop drops it, truncate keeps the prompt's last tokens (at least half of max_length when the
+    response is longer) and the responses' first; both counted."""
+    out, truncated, dropped = [], 0, 0
+    prompts = [render_prompt(r["prompt"], tokenizer) for r in rows]
+    for i, (row, prompt) in enumerate(zip(rows, prompts)):
+        wholes = [render(row["prompt"], row[side], tokenizer) for side in sides]
+        if not row["prompt"] or not all(w.startswith(prompt) for w in wholes):
+            raise DataError(f"{where} row {i}: the conversation rendered by the chat template does not begin with its "
+                            f"prompt rendered alone, so the response tokens cannot be told apart; give a non-empty "
+                            f"prompt and a tokenizer whose template renders prompts as a prefix")
+        responses = tokenizer([w[len(prompt):] for w in wholes], add_special_tokens=False)["input_ids"]
+        prompt_ids = tokenize_prompts([prompt], tokenizer)[0]
+        longest = max(len(r) for r in responses)
+        if len(prompt_ids) + longest > max_length:
+            if overlong == "drop":
+                dropped += 1
+                continue
+            keep = max(max_length - longest, min(len(prompt_ids), max_length // 2))
+            prompt_ids, truncated = prompt_ids[-keep:], truncated + 1
+            responses = [r[:max_length - len(prompt_ids)] for r in responses]
+        out.append((prompt_ids, responses))
+    if not out:
+        raise DataError(f"{where}: all {len(rows)} rows are longer than max_length={max_length} tokens; raise it or "
+                        f"set overlong=truncate")
+    return out, {"rows": len(rows), "truncated": truncated, "overlong_dropped": dropped, "used": len(out)}
 
 
 def write_parquet(rows: list[dict], path: str) -> None:

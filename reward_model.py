@@ -34,8 +34,6 @@ then answer in about 2 s, without their 3 s import.
 import json
 import math
 import os
-import signal
-import sys
 import time
 from dataclasses import dataclass
 
@@ -47,12 +45,13 @@ from tqdm import tqdm
 from data import load_pairs
 from infra import cli, config
 from infra.batches import autocast, autocast_dtype
-from infra.checks import exact_div
-from infra.distributed import distribute, fsdp_from_launcher, make_accelerator
-from infra.metrics import check_loggers, console_line, MetricsLogger, wandb_resume_id
-from infra.models import check_model_path, load_reward_classifier, load_tokenizer, save_pretrained_atomic
-from infra.optim import make_optimizer, restore_schedule, train_step
-from infra.runs import resume_or_start, save_checkpoint, skipped_steps_error, start_run, StopSignal
+from infra.distributed import distribute, make_accelerator
+from infra.metrics import console_line
+from infra.models import load_reward_classifier
+from infra.offline import (batch_indices, check_batch, check_folders, checkpoint_or_stop, open_log, save_merged,
+                           Skips)
+from infra.optim import make_optimizer, train_step
+from infra.runs import start_run, StopSignal
 from rollout import right_pad
 from scorers.model import RewardModel
 
@@ -78,14 +77,6 @@ def score_pairs(model, pairs, pad_id: int, device, dtype):
         r = model(input_ids.to(device), attention_mask.to(device))  # (2B,)
     margin = torch.tensor([p[2] for p in pairs], device=device)
     return r[:len(pairs)], r[len(pairs):], margin
-
-
-def batch_indices(step: int, n: int, batch_size: int, seed: int) -> list[int]:
-    """The pairs of optimiser step `step` (0-based): epoch e = step // (n // B) takes slice k of a permutation
-    seeded by (seed, e). A function of the step alone, so resuming at a step replays the same data."""
-    epoch, k = divmod(step, n // batch_size)
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
-    return perm[k * batch_size:(k + 1) * batch_size].tolist()
 
 
 # ---------------------------------------------------------------------------------------
@@ -119,11 +110,7 @@ def evaluate(model, pairs, micro: int, pad_id: int, accelerator, dtype) -> dict:
 
 def save_final(hf_model, tokenizer, stats: dict, output_dir: str) -> None:
     """final/ = a plain sequence classifier (the adapter merged in) + tokenizer + reward_stats.json."""
-    final = os.path.join(output_dir, "final")
-    if hasattr(hf_model, "merge_and_unload"):
-        save_pretrained_atomic(hf_model, tokenizer, os.path.join(output_dir, "final_adapter"), overwrite=True)
-        hf_model = hf_model.merge_and_unload()
-    save_pretrained_atomic(hf_model, tokenizer, final, overwrite=True)  # this run's own folders
+    final = save_merged(hf_model, tokenizer, output_dir)
     with open(os.path.join(final, "reward_stats.json.tmp"), "w") as f:
         json.dump(stats, f)
     os.replace(os.path.join(final, "reward_stats.json.tmp"), os.path.join(final, "reward_stats.json"))
@@ -154,16 +141,7 @@ def check_inputs(cfg: config.RewardModelStage, num_processes: int, print0=print)
     the model and tokenizer folders, the pairs (tokenised once) and the batch sizes; `reward_model.py --check`
     stops here."""
     rm = cfg.reward_model
-    if fsdp_from_launcher():
-        raise config.ConfigError("reward_model.py trains on one process or with DDP (accelerate launch "
-                                 "--num_processes N reward_model.py …), not under an FSDP config")
-    check_loggers(rm.logger, "reward_model.logger")
-    tokenizer_key = "reward_model.tokenizer_path" if rm.tokenizer_path else "reward_model.model_path"
-    check_model_path(rm.model_path, "reward_model.model_path", trust_remote_code=rm.trust_remote_code)
-    check_model_path(rm.tokenizer_path or rm.model_path, tokenizer_key, need="tokenizer",
-                     trust_remote_code=rm.trust_remote_code)
-    tokenizer = load_tokenizer(rm.tokenizer_path or rm.model_path, tokenizer_key,
-                               trust_remote_code=rm.trust_remote_code)
+    tokenizer = check_folders(rm, "reward_model")
     train_pairs, stats = load_pairs(rm.train_files, tokenizer, rm.max_length, rm.overlong, rm.margin)
     print0(f"train pairs: {stats}")
     val_pairs = []
@@ -171,14 +149,7 @@ def check_inputs(cfg: config.RewardModelStage, num_processes: int, print0=print)
         val_pairs, stats = load_pairs(rm.val_files, tokenizer, rm.max_length, rm.overlong, rm.margin)
         val_pairs = val_pairs[:rm.val_max_pairs or None]
         print0(f"val pairs: {stats}, using {len(val_pairs)}")
-    local = exact_div(rm.batch_size, num_processes, "reward_model.batch_size (pairs) across processes")
-    micro = min(rm.micro_batch_size_per_device, local)
-    exact_div(local, micro, "pairs per step on one process by reward_model.micro_batch_size_per_device")
-    if rm.batch_size > len(train_pairs):
-        raise config.ConfigError(f"reward_model.batch_size={rm.batch_size} is more than the {len(train_pairs)} "
-                                 f"training pairs; lower it")
-    print0(f"{rm.total_steps} steps of {rm.batch_size} pairs = {rm.total_steps * rm.batch_size / len(train_pairs):.2f} "
-           f"epochs; {local // micro} micro-batches of {micro} pairs per process")
+    local, micro = check_batch(rm, "reward_model", num_processes, len(train_pairs), "pairs", print0)
     return Inputs(tokenizer, train_pairs, val_pairs, local, micro)
 
 
@@ -208,14 +179,9 @@ def main(cfg: config.RewardModelStage):
     model = distribute(model, accelerator, None, trainable=True)  # DDP
     optimizer, scheduler = make_optimizer(model, rm.optim, rm.total_steps)
     model.train()
-    logger = MetricsLogger(rm.output_dir, rm.logger, cli.to_dict(cfg), rm.project_name, rm.experiment_name,
-                           accelerator.is_main_process, resume_id=wandb_resume_id(resume_from))
-    saved_state = resume_or_start(accelerator, resume_from, rm.output_dir, logger, cfg, {"model": (model, optimizer)})
-    start, skipped = 0, 0  # optimiser steps taken (batch_indices turns them into pairs) and skipped: checkpointed
-    if resume_from:
-        start, skipped = saved_state["step"], saved_state.get("skipped", 0)
-        restore_schedule(scheduler, saved_state["lr_steps"])
-        print0(f"resumed from {resume_from} at step {start}")
+    models = {"model": (model, optimizer)}
+    # optimiser steps taken (batch_indices turns them into pairs) and skipped: checkpointed
+    logger, start, skipped = open_log(accelerator, cfg, "reward_model", resume_from, models, scheduler)
 
     def pair_loss(pairs):
         """Its share of the batch's mean loss (see 4. above), and its Σ loss, correct, r_c − r_r, r_c, r_r."""
@@ -224,7 +190,7 @@ def main(cfg: config.RewardModelStage):
         sums = torch.stack([loss.sum(), (r_c > r_r).sum(), (r_c - r_r).sum(), r_c.sum(), r_r.sum()])
         return loss.sum() / local, {"sums": sums.detach()}
 
-    stop_signal, skipped_in_a_row = StopSignal(verbose=accelerator.is_main_process), 0
+    stop_signal, skips = StopSignal(verbose=accelerator.is_main_process), Skips(skipped, rm.max_skipped_steps)
     bar = tqdm(range(start, rm.total_steps), initial=start, total=rm.total_steps,
                disable=not accelerator.is_main_process, dynamic_ncols=True)
     for step in bar:
@@ -237,16 +203,14 @@ def main(cfg: config.RewardModelStage):
         lr = scheduler.get_last_lr()[0]
         micro_batches = [mine[i:i + micro] for i in range(0, local, micro)]
         grad_norm, per_micro = train_step(model, optimizer, micro_batches, pair_loss, rm.max_grad_norm)
-        if grad_norm is None:  # a non-finite loss or gradient: train_step left the weights as they were
-            skipped += 1
-        skipped_in_a_row = skipped_in_a_row + 1 if grad_norm is None else 0
+        skips.count(grad_norm)  # a non-finite loss or gradient: train_step left the weights as they were
         scheduler.step()
 
         # ---- 4. metrics: sums over all processes, divided by the batch
         sums = (accelerator.reduce(sum(per_micro["sums"]), "sum") / rm.batch_size).tolist()
         metrics = {"rm/loss": sums[0], "rm/accuracy": sums[1], "rm/margin": sums[2], "rm/chosen_mean": sums[3],
                    "rm/rejected_mean": sums[4], "rm/grad_norm": math.nan if grad_norm is None else grad_norm,
-                   "lr": lr, "train/skipped_steps": skipped}
+                   "lr": lr, "train/skipped_steps": skips.total}
 
         # ---- 5. validate every eval_freq steps and at the end
         last = step + 1 == rm.total_steps
@@ -260,19 +224,11 @@ def main(cfg: config.RewardModelStage):
         shown = ["rm/loss", "rm/accuracy", "rm/margin", "val/rm/accuracy",
                  *sorted(k for k in metrics if k.startswith("val/rm/accuracy/")), "lr", "time/step_s"]
         print0(f"step {step + 1}  " + console_line(metrics, shown))
-        if rm.max_skipped_steps and skipped_in_a_row >= rm.max_skipped_steps:  # nothing learnt: no final/
-            raise skipped_steps_error(skipped_in_a_row, step + 1, "reward_model", rm.output_dir)
+        skips.check(step + 1, "reward_model", rm.output_dir)  # nothing learnt: no final/
 
         # ---- 7. checkpoint every save_freq steps and at the end; SIGTERM or Ctrl-C: also, then stop
-        signum = stop_signal.received(accelerator)
-        if last or (rm.save_freq > 0 and (step + 1) % rm.save_freq == 0) or signum:
-            save_checkpoint(accelerator, rm.output_dir, step + 1, rm.keep_checkpoints, {"model": (model, optimizer)},
-                            {"step": step + 1, "skipped": skipped, "lr_steps": scheduler.last_epoch})
-        if signum:
-            print0(f"stopped by {signal.Signals(signum).name} after step {step + 1}, checkpoint saved; run the same "
-                   f"command again to resume")
-            logger.close()
-            sys.exit(128 + signum)
+        checkpoint_or_stop(accelerator, rm, step + 1, last, models,
+                           {"skipped": skips.total, "lr_steps": scheduler.last_epoch}, stop_signal, logger)
 
     # ---- the final model: scores' mean/std for PPO, adapter merged, rank 0 writes
     stats_pairs = train_pairs[:rm.stats_max_pairs or None]

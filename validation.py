@@ -18,11 +18,13 @@ from dataclasses import dataclass
 import torch
 
 from data import load_preferences, render_prompt, tokenize_prompts
-from infra.batches import micro_batch, set_train_mode
-from infra.config import ConfigError
+from infra.batches import autocast_dtype, micro_batch, set_train_mode
+from infra.config import ConfigError, RewardConfig, RolloutConfig
 from infra.metrics import reduce_metrics, sum_over_processes
 from infra.rollout_common import left_pad, right_pad, with_conversations
-from rewards import decode_responses, one_rule, reward_sources, rule_for, score_on_every_process, score_responses
+from rewards import (decode_responses, one_rule, reward_sources, rule_for, score_on_every_process, score_responses,
+                     Scorer)
+from rollout import HFRollout
 
 
 @torch.no_grad()
@@ -112,6 +114,21 @@ def held_out_perplexity(policy, fwd, references: References, accelerator) -> dic
         total += torch.stack([(logprobs * mask).sum(), mask.sum()])
     total = sum_over_processes(accelerator, total)
     return {"val/perplexity": math.exp(-(total[0] / total[1]).item())}
+
+
+@torch.no_grad()
+def greedy_validation(model, tokenizer, val_rows, accelerator, section) -> dict:
+    """sft.py's and dpo.py's validation, on ppo.py's yardstick: one greedy answer (at most section.max_response_length
+    tokens) per prompt from the model being trained (rollout.HFRollout), scored by the task's rule (reward.sources'
+    default, [rule]): val/score/mean and val/<data_source>/score, as validate logs them."""
+    rollout = HFRollout(accelerator.unwrap_model(model), tokenizer,
+                        RolloutConfig(max_response_length=section.max_response_length),
+                        autocast_dtype(section.dtype), device=accelerator.device)
+    mine = val_rows[accelerator.process_index::accelerator.num_processes]
+    ro = rollout.generate(mine, 1, 0.0, seed=section.seed)
+    scorer = Scorer(RewardConfig(), accelerator.device, None)
+    return validation_metrics(scorer, mine, decode_responses(tokenizer, ro),
+                              sorted({r["data_source"] for r in val_rows}), accelerator, 1, ro=ro)
 
 
 def validation_metrics(scorer, rows: list[dict], texts: list[str], sources: list, accelerator, k: int = 1,

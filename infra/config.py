@@ -353,10 +353,11 @@ RANGES = {
                 "ppo_epochs ppo_mini_batch_size ppo_micro_batch_size_per_device log_prob_micro_batch_size_per_device "
                 "max_token_len_per_device horizon total_steps max_kl_window batch_size micro_batch_size_per_device "
                 "max_length lora_alpha max_turns max_tool_response_length max_tokens max_concurrency",
-    "(0, inf)": "lr target_kl max_grad_norm rollout_is_threshold rollout_rs_threshold clip timeout_s tool_timeout_s "
+    "(0, inf)": "beta lr target_kl max_grad_norm rollout_is_threshold rollout_rs_threshold clip timeout_s tool_timeout_s "
                 "max_abs_score",
     "(0, 1]": "top_p gpu_memory_utilization",
     "[0, 1)": "lora_dropout betas",
+    "[0, 0.5)": "label_smoothing",
     "[0, 1]": "gamma lam warmup_ratio min_lr_ratio clip_ratio_low",
     "(1, inf)": "clip_ratio_c",
     "[-1, inf)": "top_k",
@@ -373,7 +374,9 @@ FIXED_ON_RESUME = {"model.path", "model.tokenizer_path", "model.lora_rank", "mod
                    "model.lora_top_layers", "data.train_batch_size", "rollout.n", "actor.ppo_mini_batch_size",
                    "algorithm.adv_estimator", "critic.model_path", "reward_model.model_path",
                    "reward_model.tokenizer_path", "reward_model.lora_rank", "reward_model.lora_alpha",
-                   "reward_model.target_modules", "reward_model.lora_top_layers", "reward_model.batch_size"}
+                   "reward_model.target_modules", "reward_model.lora_top_layers", "reward_model.batch_size"} | {
+                   f"{stage}.{key}" for stage in ("sft", "dpo") for key in ("model_path", "tokenizer_path", "lora_rank",
+                   "lora_alpha", "target_modules", "lora_top_layers", "batch_size")}
 
 
 def load_target(target):

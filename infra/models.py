@@ -53,11 +53,12 @@ def load_tokenizer(path: str, key: str = "model.path", *, trust_remote_code: boo
     return tokenizer
 
 
-def load_policy(cfg_model):
-    """The actor: a causal LM in fp32 (master weights), with LoRA adapters when lora_rank > 0."""
+def load_policy(cfg_model, path: str = ""):
+    """The actor: a causal LM in fp32 (master weights), with LoRA adapters when lora_rank > 0; from `path` (sft.py's
+    and dpo.py's model_path), else cfg_model.path."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(cfg_model.path, dtype=torch.float32, use_safetensors=True,
+    model = AutoModelForCausalLM.from_pretrained(path or cfg_model.path, dtype=torch.float32, use_safetensors=True,
                                                  trust_remote_code=cfg_model.trust_remote_code)
     if cfg_model.gradient_checkpointing:
         use_gradient_checkpointing(model)

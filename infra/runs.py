@@ -187,7 +187,8 @@ def run_bases(output_dir: str) -> dict:
         return json.load(f)
 
 
-BASE_KEYS = {"trainer": ("model.path", "critic.model_path"), "reward_model": ("reward_model.model_path",)}
+BASE_KEYS = {"trainer": ("model.path", "critic.model_path"), "reward_model": ("reward_model.model_path",),
+             "sft": ("sft.model_path",), "dpo": ("dpo.model_path",)}
 
 
 def record_bases(accelerator, cfg, stage: str, unused: frozenset, checkpoint) -> None:

@@ -121,7 +121,7 @@ def test_numbers_out_of_range_name_the_key_and_the_range(override, message):
 
 def test_every_range_names_a_numeric_field_and_the_defaults_pass():
     """RANGES names only numeric fields (a typo would silently check nothing), and the defaults are in range."""
-    defaults = {**cli.to_dict(config.Config()), **cli.to_dict(config.RewardModelStage())}
+    defaults = {key: value for root in cli.ROOTS for key, value in cli.to_dict(root()).items()}  # every entry point
     numeric = {key.rsplit(".", 1)[-1] for key, value in cli.flatten(defaults).items()
                if isinstance(value, (int, float, list)) and not isinstance(value, bool)} | {"clip"}
     assert set(config.RANGE_OF) <= numeric, set(config.RANGE_OF) - numeric

@@ -104,7 +104,7 @@ def test_recipe_runs_one_step_with_its_own_overrides(tiny, tmp_path, script):
 
 # ---- every documented launch line, through --check with its own process count (issue 29)
 
-COMMAND = re.compile(r"(?:[A-Z_]+=\S+ )*(?:accelerate launch|python (?:ppo|reward_model)\.py --check|"
+COMMAND = re.compile(r"(?:[A-Z_]+=\S+ )*(?:accelerate launch|python (?:ppo|reward_model|sft|dpo)\.py --check|"
                      r"bash examples/\S+\.sh|sbatch)(?: [^#\n]*)?")
 FAKE_LAUNCH = 'accelerate() { printf "%s\\n" "$@" > "$LAUNCH_ARGS"; }; export -f accelerate\n'
 
@@ -113,7 +113,7 @@ def documented_commands() -> list[tuple[str, str]]:
     """(where, command) for every launch command in README.md's code blocks, in the comment lines of examples/ and
     slurm/ppo.sbatch, and in ppo.py's and reward_model.py's docstrings; `\\` continuations joined, comments cut."""
     found = []
-    for name in ["README.md", "ppo.py", "reward_model.py", "slurm/ppo.sbatch",
+    for name in ["README.md", "ppo.py", "reward_model.py", "sft.py", "dpo.py", "slurm/ppo.sbatch",
                  *sorted(f"examples/{f}" for f in os.listdir(os.path.join(REPO, "examples")))]:
         text = open(os.path.join(REPO, name)).read().replace("\\\n", " ")
         if name == "README.md":
@@ -124,7 +124,7 @@ def documented_commands() -> list[tuple[str, str]]:
             text = "\n".join(line[1:] for line in text.splitlines() if re.match(r"#\s\s", line))
         for line in text.splitlines():
             found += [(name, " ".join(m.split())) for m in COMMAND.findall(line.strip())
-                      if ("ppo.py" in m or "reward_model.py" in m or "examples/" in m or "slurm/" in m)
+                      if re.search(r"\b(ppo|reward_model|sft|dpo)\.py|examples/|slurm/", m)
                       and "prepare_gsm8k" not in m]  # the data step launches nothing
     return found
 
@@ -207,7 +207,10 @@ def stand_in_overrides(cfg, s: dict) -> list[str]:
     root, out = s["root"], []
     paths = {"model.path": s["model"], "critic.model_path": s["model"], "reward.model_path": s["model"],
              "reward_model.model_path": s["model"], "reward_model.train_files": f"{root}/pairs.parquet",
-             "reward_model.val_files": f"{root}/pairs.parquet"}
+             "reward_model.val_files": f"{root}/pairs.parquet",
+             **{f"{stage}.{key}": value for stage in ("sft", "dpo") for key, value in (
+                 ("model_path", s["model"]), ("train_files", f"{root}/pairs.parquet"),
+                 ("val_files", f"{root}/pairs.parquet"), ("val_prompts", f"{root}/arithmetic.parquet"))}}
     flat = cli.flatten(cli.to_dict(cfg))
     policy = flat.get("model.path") if os.path.exists(str(flat.get("model.path"))) else s["model"]
     paths["algorithm.teacher.path"] = policy  # a teacher must share the policy's vocabulary
@@ -228,9 +231,12 @@ def test_every_documented_launch_line_passes_its_check(tmp_path, stand_ins, monk
     model loaded. The FSDP2 × 8 line, slurm's 16 processes and GRPO-LoRA on 8 GPUs were refused before (issue 29)."""
     import transformers
 
+    import dpo
     import ppo
     import reward_model
+    import sft
     from infra.config import Config, RewardModelStage
+    from infra.config_offline import DPOStage, SFTStage
     monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained",
                         classmethod(lambda cls, *a, **k: pytest.fail(f"{cls.__name__} loaded by --check")))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
@@ -244,7 +250,8 @@ def test_every_documented_launch_line_passes_its_check(tmp_path, stand_ins, monk
         if (key := (processes, script, *args, *env.items())) in checked:  # the same launch, written elsewhere
             continue
         checked[key] = command
-        module, root = {"ppo.py": (ppo, Config), "reward_model.py": (reward_model, RewardModelStage)}[script]
+        module, root = {"ppo.py": (ppo, Config), "reward_model.py": (reward_model, RewardModelStage),
+                        "sft.py": (sft, SFTStage), "dpo.py": (dpo, DPOStage)}[script]
         args += stand_in_overrides(cli.parse_args(args, module.__doc__, root), stand_ins)
         with monkeypatch.context() as m:
             for key, value in {**env, "WORLD_SIZE": str(processes)}.items():

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import REPO
 
-STAGES = {"ppo", "rollout", "rewards", "advantages", "losses", "kl", "critic", "validation", "data", "reward_model"}
+STAGES = {"ppo", "rollout", "rewards", "advantages", "losses", "kl", "critic", "validation", "data", "reward_model", "sft", "dpo"}
 LAYERS = {"infra": "plumbing", "reward_rules": "rules", "tools": "tools",  # anything else at the top is a stage
           "agents": "feature", "scorers": "feature", "rollout_kinds": "feature"}
 MAY_IMPORT = {"plumbing": {"plumbing"}, "rules": {"rules"}, "stage": {"stage", "plumbing", "rules", "feature"},
