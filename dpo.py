@@ -10,6 +10,10 @@ its relatives IPO (Azar et al., 2023) and SimPO (Meng et al., 2024) in the table
     python dpo.py --help                                                                    # every dpo.* key
     accelerate launch ppo.py --config configs.yaml model.path=outputs/dpo/final            # DPO → PPO
 
+The demo (make dpo: LoRA in the top 8 of SmolLM2-135M's 30 layers, β 0.1, lr 5e-4, 16 pairs a step, fp32) raised greedy
+val/score/mean on 100 of the arithmetic prompts from 0.48 to 0.81 by step 20 of a 40-step run, then fell to 0.61 by
+step 40 as the chosen answers' log-probs fell too; hence 20 steps (bench/RESULTS.md, on 2 contended CPU cores).
+
 The loss of a pair (x, y_w, y_l), y_w chosen, y_l rejected, with Δ(y) = log π(y|x) − log π_ref(y|x):
 
     sigmoid   −(1−ε)·log σ(β·(Δ(y_w) − Δ(y_l))) − ε·log σ(−β·(Δ(y_w) − Δ(y_l)))       DPO; ε > 0: conservative DPO

@@ -10,6 +10,9 @@
     accelerate launch dpo.py --config configs.yaml dpo.model_path=outputs/sft/final        # SFT → DPO
     accelerate launch reward_model.py --config configs.yaml reward_model.model_path=outputs/sft/final
 
+The demo (make sft: the demo pairs' right answers, LoRA in the top 8 layers, lr 2e-4, 20 steps of 16 rows) raised
+greedy val/score/mean on 100 of the arithmetic prompts from 0.48 to 0.77 (bench/RESULTS.md).
+
 The loss of a batch, over the assistant's tokens y_t of every row (the prompt's tokens are context, not targets):
 
     L = −(1 / N) · Σ_rows Σ_t log π(y_t | x, y_<t),    N = the assistant tokens of the whole batch
