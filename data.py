@@ -98,7 +98,9 @@ def load_rl_dataset(path: str, tokenizer, max_prompt_length: int, truncation: st
     name of the rule that will compare its responses with the ground truth, or None (check_ground_truth).
 
     rows: {"prompt_ids", "prompt_text", "ground_truth", "data_source", "extra_info", "prompt" (as stored, for a
-    reward model that renders it with its own template)}; stats: {"rows", "kept", "truncated", "filtered"}.
+    reward model that renders it with its own template), "columns" (every column of the stored row, as stored: what
+    an environment's reset(**row) and a TRL-style reward function's keywords receive, apart from the library's own
+    keys, so a user's column never collides with one of them)}; stats: {"rows", "kept", "truncated", "filtered"}.
     A prompt over max_prompt_length tokens: truncation="error" raises, "left" keeps its last tokens (prompt_text
     is then their decoding), "filter" drops the row.
     """
@@ -129,7 +131,7 @@ def load_rl_dataset(path: str, tokenizer, max_prompt_length: int, truncation: st
             text = tokenizer.decode(ids, skip_special_tokens=False)
         rows.append({"prompt_ids": ids, "prompt_text": text, "ground_truth": ground_truth_of(row),
                      "data_source": row.get("data_source") or "unknown", "extra_info": row.get("extra_info") or {},
-                     "prompt": row["prompt"]})
+                     "prompt": row["prompt"], "columns": row})
     if not rows:
         raise DataError(f"{path}: all {len(raw)} prompts are longer than data.max_prompt_length={max_prompt_length} "
                         f"and were filtered; raise data.max_prompt_length")

@@ -51,14 +51,15 @@ VERL = [{"data_source": r["data_source"], "prompt": [{"role": "user", "content":
 
 def test_ours_and_verl_layouts_load_the_same_rows(tmp_path):
     """A string prompt with ground_truth and verl's messages with reward_model.ground_truth give equal rows
-    (but for `prompt`, which is kept as stored)."""
+    (but for `prompt` and `columns`, which are kept as stored)."""
     tok = tiny_tokenizer()
     ours, stats = data.load_rl_dataset(write(tmp_path, "ours.parquet", OURS), tok, 64, "error")
     verl, _ = data.load_rl_dataset(write(tmp_path, "verl.parquet", VERL), tok, 64, "error")
-    drop = lambda rows: [{k: v for k, v in r.items() if k != "prompt"} for r in rows]
+    drop = lambda rows: [{k: v for k, v in r.items() if k not in ("prompt", "columns")} for r in rows]
     assert drop(ours) == drop(verl) and ours[0]["prompt"] == OURS[0]["prompt"] and verl[0]["prompt"] == VERL[0]["prompt"]
     assert [r["ground_truth"] for r in ours] == ["3", "9"] and ours[0]["extra_info"] == {"index": 0}
     assert stats == {"rows": 2, "kept": 2, "truncated": 0, "filtered": 0}
+    assert [r["columns"] for r in ours] == OURS and [r["columns"] for r in verl] == VERL  # every column, as stored
 
 
 def test_chat_template_is_applied_once_without_a_double_bos(tmp_path):
