@@ -7,6 +7,7 @@ its relatives IPO (Azar et al., 2023) and SimPO (Meng et al., 2024) in the table
     accelerate launch dpo.py --config configs.yaml dpo.loss_type=ipo dpo.beta=0.5
     accelerate launch dpo.py --config configs.yaml dpo.model_path=outputs/sft/final        # SFT → DPO
     accelerate launch --config_file accelerate_configs/ddp_cpu.yaml dpo.py --config configs.yaml
+    accelerate launch --config_file accelerate_configs/fsdp2.yaml --num_processes 2 dpo.py --config configs.yaml
     python dpo.py --help                                                                    # every dpo.* key
     accelerate launch ppo.py --config configs.yaml model.path=outputs/dpo/final            # DPO → PPO
 
@@ -27,8 +28,8 @@ How this departs from the paper, and from TRL's DPOTrainer:
 1. Under LoRA the reference π_ref is the policy with its adapter switched off (no second copy, as ppo.py's
    ref_logprobs); with lora_rank=0 it is a frozen copy of model_path. dpo.precompute_ref_log_probs computes it for
    every training pair once, before the first step (one no-grad pass), instead of at every step.
-2. A pair's prompt is run once for both answers (dpo.share_prompt_prefix, as ppo.py runs a prompt's n samples),
-   or with dpo.use_remove_padding packed into one row: the same numbers within fp32 rounding.
+2. A pair's prompt is run once for both answers (dpo.share_prompt_prefix, as ppo.py runs a prompt's n samples; not
+   under FSDP2), or with dpo.use_remove_padding packed into one row: the same numbers within fp32 rounding.
 3. Log-probabilities are summed over the response tokens; IPO and SimPO average them (PER_TOKEN), as TRL does
    (its IPO is length-normalised too, which the IPO authors confirmed).
 4. Losses are normalised by the pairs of the whole batch over all processes, so gradient accumulation and the
@@ -48,12 +49,12 @@ from infra import cli
 from infra.batches import autocast_dtype, Forward
 from infra.config import ConfigError, RewardConfig
 from infra.config_offline import DPOStage
-from infra.distributed import distribute
+from infra.distributed import describe, distribute, fsdp_from_launcher
 from infra.layouts import batch_layout, use_varlen_attention
 from infra.metrics import console_line
 from infra.models import load_policy, load_reference
 from infra.offline import (batch_indices, begin, check_batch, check_folders, checkpoint_or_stop, completion_batch,
-                           finish, open_log, Skips)
+                           finish, held_out_slices, open_log, Skips)
 from infra.optim import make_optimizer, train_step
 from infra.runs import StopSignal
 from ppo import ref_logprobs
@@ -142,14 +143,16 @@ def precompute_ref_logprobs(ref, policy, pairs, micro: int, fwd: Forward, d, pad
 
 
 @torch.no_grad()
-def evaluate(policy, ref, pairs, micro: int, fwd: Forward, d, pad_id: int, accelerator) -> dict:
+def evaluate(policy, ref, pairs, micro: int, fwd: Forward, d, pad_id: int, accelerator, sharded: bool) -> dict:
     """The loss and rewards/* over held-out pairs (each process takes every num_processes-th micro-batch)."""
     policy.eval()
     sums = torch.zeros(len(SUM_NAMES), dtype=torch.float64, device=accelerator.device)
-    for i in range(accelerator.process_index * micro, len(pairs), accelerator.num_processes * micro):
-        mb = pair_batch(pairs[i:i + micro], pad_id, accelerator.device)
+    for i in held_out_slices(len(pairs), micro, accelerator, sharded):
+        mb = pair_batch(pairs[i or 0:(i or 0) + micro], pad_id, accelerator.device)
         logps = sequence_logprobs(fwd.logprobs(policy, mb)[0], mb["response_mask"], d.loss_type in PER_TOKEN)
-        sums += pair_terms(logps, reference_logps(ref, policy, mb, fwd, d), d)[1].double()
+        terms = pair_terms(logps, reference_logps(ref, policy, mb, fwd, d), d)[1]
+        if i is not None:  # None: forwards only to keep FSDP2's gathers in step with the other processes
+            sums += terms.double()
     policy.train()
     return dict(zip(SUM_NAMES, (accelerator.reduce(sums, "sum") / len(pairs)).tolist()))
 
@@ -204,16 +207,19 @@ def main(cfg: DPOStage):
     tokenizer, train_pairs, local, micro = inputs["tokenizer"], inputs["train"], inputs["local"], inputs["micro"]
     pad_id = tokenizer.pad_token_id
 
-    # ---- policy, reference (departure 1), optimiser, resume
-    policy = load_policy(d, d.model_path)
+    # ---- policy and reference (departure 1): sharded (FSDP2 launcher) or the policy under DDP; optimiser, resume
+    fsdp = fsdp_from_launcher(autocast_dtype(d.dtype))  # the accelerate config's FSDP2 settings, or None
+    sharded = fsdp is not None
+    policy = distribute(load_policy(d, d.model_path), accelerator, fsdp, trainable=True)
     ref = None
     if not d.lora_rank and d.loss_type not in REFERENCE_FREE:
-        ref = load_reference(d.model_path, trust_remote_code=d.trust_remote_code).to(device)
-    policy = distribute(policy, accelerator, None, trainable=True)  # DDP
+        ref = distribute(load_reference(d.model_path, trust_remote_code=d.trust_remote_code), accelerator, fsdp,
+                         trainable=False)
+    print0(describe(fsdp, accelerator, ["policy"] + (["reference"] if ref is not None else [])))
     optimizer, scheduler = make_optimizer(policy, d.optim, d.total_steps)
     models = {"model": (policy, optimizer)}
     logger, start, skipped = open_log(accelerator, cfg, "dpo", resume_from, models, scheduler)
-    fwd = Forward(1.0, autocast_dtype(d.dtype), batch_layout(d, sharded=False))  # log π at temperature 1
+    fwd = Forward(1.0, autocast_dtype(d.dtype), batch_layout(d, sharded))  # log π at temperature 1
     for model in [accelerator.unwrap_model(policy), ref] if fwd.layout == "packed" else []:
         if model is not None:  # attention within each prompt / prompt+response group of the packed row
             use_varlen_attention(model)
@@ -235,10 +241,11 @@ def main(cfg: DPOStage):
 
     def validate(step: int) -> dict:
         """Greedy answers to the task's prompts scored by its rule, and the loss and rewards/* on held-out pairs."""
-        metrics = greedy_validation(policy, tokenizer, inputs["val_prompts"], accelerator, d) if d.val_prompts else {}
+        metrics = (greedy_validation(policy, tokenizer, inputs["val_prompts"], accelerator, d, sharded)
+                   if d.val_prompts else {})
         if inputs["val"]:
             metrics.update({f"val/{k}": v for k, v in evaluate(policy, ref, inputs["val"], micro, fwd, d, pad_id,
-                                                                 accelerator).items()})
+                                                                 accelerator, sharded).items()})
         print0(f"validation at step {step}: " + console_line(metrics, sorted(metrics)))
         return metrics
 
@@ -280,7 +287,7 @@ def main(cfg: DPOStage):
 
     # ---- final/: the policy as a plain causal LM (adapter merged), the next stage's model_path; curves.png
     logger.close()
-    finish(accelerator, policy, tokenizer, d, CURVES)
+    finish(accelerator, policy, tokenizer, d, CURVES, sharded)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@
     accelerate launch sft.py --config configs.yaml                                         # the demo (make sft)
     accelerate launch sft.py --config configs.yaml sft.train_files=chats.jsonl sft.lora_rank=0
     accelerate launch --config_file accelerate_configs/ddp_cpu.yaml sft.py --config configs.yaml
+    accelerate launch --config_file accelerate_configs/fsdp2.yaml --num_processes 2 sft.py --config configs.yaml
     python sft.py --help                                                                    # every sft.* key
     accelerate launch dpo.py --config configs.yaml dpo.model_path=outputs/sft/final        # SFT → DPO
     accelerate launch reward_model.py --config configs.yaml reward_model.model_path=outputs/sft/final
@@ -24,8 +25,9 @@ How it departs from TRL's SFTTrainer:
    generation prompt, so they end with the template's end of turn: the model learns to stop.
 2. N counts the batch's assistant tokens over all processes before the first micro-batch, so gradient accumulation
    and the number of processes do not change the gradient (a mean per micro-batch would weight short ones more).
-3. Micro-batches go through ppo.py's forwards: padded, each distinct prompt once (sft.share_prompt_prefix), or
-   packed into one row without padding (sft.use_remove_padding), the same numbers within fp32 rounding.
+3. Micro-batches go through ppo.py's forwards: padded, each distinct prompt once (sft.share_prompt_prefix; padded
+   under FSDP2), or packed into one row without padding (sft.use_remove_padding), the same numbers within fp32
+   rounding.
 4. Validation answers the task's prompts greedily and scores them by its rule (val/score/mean, as ppo.py and
    dpo.py), beside the loss on held-out rows (val/loss).
 """
@@ -41,12 +43,12 @@ from infra import cli
 from infra.batches import autocast_dtype, Forward
 from infra.config import RewardConfig
 from infra.config_offline import SFTStage
-from infra.distributed import distribute
+from infra.distributed import describe, distribute, fsdp_from_launcher
 from infra.layouts import batch_layout, use_varlen_attention
 from infra.metrics import console_line
 from infra.models import load_policy
 from infra.offline import (batch_indices, begin, check_batch, check_folders, checkpoint_or_stop, completion_batch,
-                           finish, open_log, Skips)
+                           finish, held_out_slices, open_log, Skips)
 from infra.optim import make_optimizer, train_step
 from infra.runs import StopSignal
 from infra.tables import load_sft_rows
@@ -68,14 +70,15 @@ def rows_batch(rows, device, pad_id: int) -> dict:
 
 
 @torch.no_grad()
-def held_out_loss(model, rows, micro: int, fwd: Forward, pad_id: int, accelerator) -> float:
+def held_out_loss(model, rows, micro: int, fwd: Forward, pad_id: int, accelerator, sharded: bool) -> float:
     """The token-mean cross-entropy over held-out rows (each process takes every num_processes-th micro-batch)."""
     model.eval()
     sums = torch.zeros(2, dtype=torch.float64, device=accelerator.device)  # Σ −log π, tokens
-    for start in range(accelerator.process_index * micro, len(rows), accelerator.num_processes * micro):
-        mb = rows_batch(rows[start:start + micro], accelerator.device, pad_id)
-        sums += torch.stack([token_nll(fwd.logprobs(model, mb)[0], mb["response_mask"], 1.0),
-                             mb["response_mask"].sum()]).double()
+    for start in held_out_slices(len(rows), micro, accelerator, sharded):
+        mb = rows_batch(rows[start or 0:(start or 0) + micro], accelerator.device, pad_id)
+        nll = token_nll(fwd.logprobs(model, mb)[0], mb["response_mask"], 1.0)
+        if start is not None:  # None: a forward only to keep FSDP2's gathers in step with the other processes
+            sums += torch.stack([nll, mb["response_mask"].sum()]).double()
     model.train()
     nll, tokens = accelerator.reduce(sums, "sum").tolist()
     return nll / tokens
@@ -117,12 +120,15 @@ def main(cfg: SFTStage):
     tokenizer, train_rows, local, micro = inputs["tokenizer"], inputs["train"], inputs["local"], inputs["micro"]
     pad_id = tokenizer.pad_token_id
 
-    # ---- model (LoRA or full weights), optimiser, resume
-    model = distribute(load_policy(s, s.model_path), accelerator, None, trainable=True)  # DDP
+    # ---- model (LoRA or full weights) sharded (FSDP2 launcher) or replicated (DDP), optimiser, resume
+    fsdp = fsdp_from_launcher(autocast_dtype(s.dtype))  # the accelerate config's FSDP2 settings, or None
+    model = distribute(load_policy(s, s.model_path), accelerator, fsdp, trainable=True)
+    print0(describe(fsdp, accelerator, ["model"]))
     optimizer, scheduler = make_optimizer(model, s.optim, s.total_steps)
     models = {"model": (model, optimizer)}
     logger, start, skipped = open_log(accelerator, cfg, "sft", resume_from, models, scheduler)
-    fwd = Forward(1.0, autocast_dtype(s.dtype), batch_layout(s, sharded=False))  # log π at temperature 1
+    sharded = fsdp is not None
+    fwd = Forward(1.0, autocast_dtype(s.dtype), batch_layout(s, sharded))  # log π at temperature 1
     if fwd.layout == "packed":  # attention within each prompt / prompt+response group of the packed row
         use_varlen_attention(accelerator.unwrap_model(model))
     model.train()
@@ -134,9 +140,10 @@ def main(cfg: SFTStage):
         return loss, {"nll": loss.detach()}
 
     def evaluate(step: int) -> dict:
-        metrics = greedy_validation(model, tokenizer, inputs["val_prompts"], accelerator, s) if s.val_prompts else {}
+        metrics = (greedy_validation(model, tokenizer, inputs["val_prompts"], accelerator, s, sharded)
+                   if s.val_prompts else {})
         if inputs["val"]:
-            metrics["val/loss"] = held_out_loss(model, inputs["val"], micro, fwd, pad_id, accelerator)
+            metrics["val/loss"] = held_out_loss(model, inputs["val"], micro, fwd, pad_id, accelerator, sharded)
         print0(f"validation at step {step}: " + console_line(metrics, sorted(metrics)))
         return metrics
 
@@ -150,7 +157,7 @@ def main(cfg: SFTStage):
         rows = [train_rows[i] for i in batch_indices(step, len(train_rows), s.batch_size, s.seed)]
         mine = rows[accelerator.process_index * local:][:local]
         tokens = sum(len(r[0]) for _, r in rows)  # N: every process's rows' assistant tokens
-        # DDP averages the processes' gradients; each process's sum is scaled up to undo that mean
+        # DDP and FSDP2 average the processes' gradients; each process's sum is scaled up to undo that mean
         per_process = tokens / accelerator.num_processes
 
         # ---- 2. cross-entropy of the assistant's tokens, backward per micro-batch; one optimiser step
@@ -178,7 +185,7 @@ def main(cfg: SFTStage):
 
     # ---- final/: a plain causal LM (adapter merged), the next stage's model_path; curves.png
     logger.close()
-    finish(accelerator, model, tokenizer, s, CURVES)
+    finish(accelerator, model, tokenizer, s, CURVES, sharded)
 
 
 if __name__ == "__main__":

@@ -117,13 +117,14 @@ def held_out_perplexity(policy, fwd, references: References, accelerator) -> dic
 
 
 @torch.no_grad()
-def greedy_validation(model, tokenizer, val_rows, accelerator, section) -> dict:
+def greedy_validation(model, tokenizer, val_rows, accelerator, section, sharded: bool) -> dict:
     """sft.py's and dpo.py's validation, on ppo.py's yardstick: one greedy answer (at most section.max_response_length
-    tokens) per prompt from the model being trained (rollout.HFRollout), scored by the task's rule (reward.sources'
-    default, [rule]): val/score/mean and val/<data_source>/score, as validate logs them."""
+    tokens) per prompt from the model being trained (rollout.HFRollout; sharded under FSDP2, every process runs as
+    many forwards as the one with most), scored by the task's rule (reward.sources' default, [rule]):
+    val/score/mean and val/<data_source>/score, as validate logs them."""
     rollout = HFRollout(accelerator.unwrap_model(model), tokenizer,
                         RolloutConfig(max_response_length=section.max_response_length),
-                        autocast_dtype(section.dtype), device=accelerator.device)
+                        autocast_dtype(section.dtype), synced_gpus=sharded, device=accelerator.device)
     mine = val_rows[accelerator.process_index::accelerator.num_processes]
     ro = rollout.generate(mine, 1, 0.0, seed=section.seed)
     scorer = Scorer(RewardConfig(), accelerator.device, None)

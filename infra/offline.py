@@ -23,9 +23,9 @@ from accelerate.utils import set_seed
 from infra import cli
 from infra.checks import exact_div
 from infra.config import ConfigError
-from infra.distributed import fsdp_from_launcher, make_accelerator
+from infra.distributed import fsdp_from_launcher, full_state_dict, make_accelerator
 from infra.metrics import check_loggers, MetricsLogger, plot_curves, wandb_resume_id
-from infra.models import check_model_path, load_tokenizer, save_pretrained_atomic
+from infra.models import check_model_path, load_policy, load_tokenizer, save_pretrained_atomic
 from infra.optim import restore_schedule
 from infra.rollout_common import left_pad, right_pad
 from infra.runs import resume_or_start, save_checkpoint, skipped_steps_error, start_run
@@ -41,11 +41,9 @@ def begin(cfg, stage: str):
 
 
 def check_folders(section, stage: str):
-    """Before any model loads: no FSDP launcher (these stages train on one process or with DDP), the loggers'
-    packages, the model and tokenizer folders; returns the tokenizer."""
-    if fsdp_from_launcher():
-        raise ConfigError(f"{stage}.py trains on one process or with DDP (accelerate launch --num_processes N "
-                          f"{stage}.py …), not under an FSDP config")
+    """Before any model loads: an FSDP launcher's settings (fsdp_from_launcher), the loggers' packages, the model
+    and tokenizer folders; returns the tokenizer."""
+    fsdp_from_launcher()
     check_loggers(section.logger, f"{stage}.logger")
     tokenizer_key = f"{stage}.tokenizer_path" if section.tokenizer_path else f"{stage}.model_path"
     check_model_path(section.model_path, f"{stage}.model_path", trust_remote_code=section.trust_remote_code)
@@ -147,11 +145,26 @@ def checkpoint_or_stop(accelerator, section, step: int, last: bool, models: dict
         sys.exit(128 + signum)
 
 
-def finish(accelerator, model, tokenizer, section, curves: list) -> None:
+def held_out_slices(rows: int, micro: int, accelerator, sharded: bool) -> list:
+    """The starts of this process's held-out micro-batches: every num_processes-th slice of `micro` rows. Sharded
+    (FSDP2), every forward gathers the shards with every process, so each runs as many as the process with most: the
+    extra ones are None (run on the first slice, their result dropped)."""
+    stride = accelerator.num_processes * micro
+    mine = list(range(accelerator.process_index * micro, rows, stride))
+    return mine + [None] * (-(-rows // stride) - len(mine)) if sharded else mine
+
+
+def finish(accelerator, model, tokenizer, section, curves: list, sharded: bool) -> None:
     """The end of sft.py and dpo.py: rank 0 writes final/ (save_merged) and curves.png (the panels `curves`, from
-    metrics.jsonl); then every process leaves together."""
+    metrics.jsonl); then every process leaves together. Sharded (FSDP2), every process first takes part in gathering
+    the weights, which rank 0 loads into a whole copy on the CPU to merge and save."""
+    state_dict = full_state_dict(model) if sharded else None  # a collective under FSDP2
     if accelerator.is_main_process:
-        final = save_merged(accelerator.unwrap_model(model), tokenizer, section.output_dir, (section.model_path,))
+        whole = accelerator.unwrap_model(model)
+        if sharded:
+            whole = load_policy(section, section.model_path)
+            whole.load_state_dict(state_dict)
+        final = save_merged(whole, tokenizer, section.output_dir, (section.model_path,))
         metrics_path = os.path.join(section.output_dir, "metrics.jsonl")
         if os.path.exists(metrics_path):
             plot_curves(metrics_path, os.path.join(section.output_dir, "curves.png"), curves)

@@ -1,6 +1,6 @@
 """dpo.py: the losses by hand, the table, training end to end on a tiny model (a subprocess, as a user runs it), the
-reference (adapter off, a frozen copy, computed once), gradient invariance to micro-batching, bit-for-bit resume, bad
-input in one sentence."""
+reference (adapter off, a frozen copy, computed once), and for dpo.py and sft.py both: gradient invariance to
+micro-batching and to the number of processes, bit-for-bit resume."""
 import math
 import os
 import subprocess
@@ -83,48 +83,93 @@ def test_training_writes_metrics_and_a_loadable_final(workdir, tmp_path):
 
 
 SAME = ["loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen"]
+SAME_IN = {"dpo": SAME, "sft": ["loss", "grad_norm", "tokens"]}  # the metrics a step's gradient decides
 
 
 def trained(out) -> list[dict]:
     return [m for m in read_metrics(out) if m["step"] > 0]
 
 
-def test_micro_batches_and_processes_give_the_same_steps(workdir, tmp_path):
-    """One micro-batch of 8 pairs, four of 2, and 2 processes (DDP over gloo, 4 pairs each) give the same loss and
-    gradient norm at step 1, and so the same weights: the same metrics at step 2 (departure 4)."""
+@pytest.mark.parametrize("stage", ["dpo", "sft"])
+def test_micro_batches_and_processes_give_the_same_steps(workdir, tmp_path, stage):
+    """One micro-batch of 8 rows (pairs for dpo.py, chosen answers for sft.py), four of 2, and 2 processes (DDP over
+    gloo, 4 each) give the same loss and gradient norm at step 1, and so the same weights: the same metrics at step 2
+    (dpo.py's departure 4, sft.py's departure 2)."""
     from conftest import free_port
-    args = ["dpo.total_steps=2", "dpo.eval_freq=0", "dpo.val_before_train=false", "dpo.val_prompts=null",
-            "dpo.save_freq=0"]
-    run_stage("dpo.py", "dpo", workdir, tmp_path / "one", *args, "dpo.micro_batch_size_per_device=8")
-    run_stage("dpo.py", "dpo", workdir, tmp_path / "micro", *args, "dpo.micro_batch_size_per_device=2")
+    args = [f"{stage}.total_steps=2", f"{stage}.eval_freq=0", f"{stage}.val_before_train=false",
+            f"{stage}.val_prompts=null", f"{stage}.save_freq=0"]
+    script = f"{stage}.py"
+    run_stage(script, stage, workdir, tmp_path / "one", *args, f"{stage}.micro_batch_size_per_device=8")
+    run_stage(script, stage, workdir, tmp_path / "micro", *args, f"{stage}.micro_batch_size_per_device=2")
     launcher = ["-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/ddp_cpu.yaml",
                 "--num_processes", "2", "--main_process_port", str(free_port())]
-    proc = subprocess.run([sys.executable, *launcher, "dpo.py", "--config", "configs.yaml",
-                           f"dpo.model_path={workdir}/model", f"dpo.train_files={workdir}/train.parquet",
-                           f"dpo.val_files={workdir}/val.parquet", f"dpo.output_dir={tmp_path / 'ddp'}",
-                           "dpo.batch_size=8", "dpo.micro_batch_size_per_device=4", "dpo.lora_rank=8", *args],
+    proc = subprocess.run([sys.executable, *launcher, script, "--config", "configs.yaml",
+                           f"{stage}.model_path={workdir}/model", f"{stage}.train_files={workdir}/train.parquet",
+                           f"{stage}.val_files={workdir}/val.parquet", f"{stage}.output_dir={tmp_path / 'ddp'}",
+                           f"{stage}.batch_size=8", f"{stage}.micro_batch_size_per_device=4", f"{stage}.lora_rank=8",
+                           *args],
                           cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     one = trained(tmp_path / "one")
     for other in (trained(tmp_path / "micro"), trained(tmp_path / "ddp")):
         assert [m["step"] for m in other] == [1, 2]
         for a, b in zip(one, other):
-            for key in SAME:
+            for key in SAME_IN[stage]:
                 assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
     assert one[1]["loss"] != one[0]["loss"]  # the step changed the weights
 
 
-@pytest.mark.parametrize("reference", ["adapter_off", "precomputed_full"])
-def test_resume_is_bit_for_bit(workdir, tmp_path, reference):
+@pytest.mark.parametrize("stage,lora_rank", [("sft", "8"), ("dpo", "8"), ("dpo", "0")])
+def test_fsdp2_gives_the_same_steps_and_a_whole_final(workdir, tmp_path, stage, lora_rank):
+    """Under the FSDP2 launcher (2 processes over gloo, every model sharded: dpo.py's frozen reference too with full
+    weights) a step equals one process's (padded layout both), held-out metrics included over 12 rows that split
+    unevenly (one process runs an extra forward whose result is dropped), greedy validation runs (every process as
+    many forwards), and final/ is gathered whole: the same weights as the one process's final/."""
+    from conftest import free_port
+    from safetensors.torch import load_file
+    args = [f"{stage}.total_steps=2", f"{stage}.eval_freq=0", f"{stage}.val_before_train=false",
+            f"{stage}.val_max_rows=12", f"{stage}.save_freq=0", f"{stage}.share_prompt_prefix=false",
+            f"{stage}.lora_rank={lora_rank}", f"{stage}.optim.lr=1e-3"]
+    script = f"{stage}.py"
+    run_stage(script, stage, workdir, tmp_path / "one", *args)
+    launcher = ["-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/fsdp2.yaml",
+                "--num_processes", "2", "--main_process_port", str(free_port())]
+    proc = subprocess.run([sys.executable, *launcher, script, "--config", "configs.yaml",
+                           f"{stage}.model_path={workdir}/model", f"{stage}.train_files={workdir}/train.parquet",
+                           f"{stage}.val_files={workdir}/val.parquet", f"{stage}.val_prompts={workdir}/prompts.parquet",
+                           f"{stage}.output_dir={tmp_path / 'fsdp'}", f"{stage}.batch_size=8",
+                           f"{stage}.micro_batch_size_per_device=4", f"{stage}.max_response_length=6", *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "parallel: fsdp2 over 2 processes (gloo); sharded: " in proc.stdout
+    one, sharded = trained(tmp_path / "one"), trained(tmp_path / "fsdp")
+    held_out = ["val/loss"] if stage == "sft" else ["val/loss", "val/rewards/margins", "val/rewards/accuracies"]
+    for a, b in zip(one, sharded):
+        for key in SAME_IN[stage] + (held_out + ["val/score/mean"] if a["step"] == 2 else []):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (a["step"], key)
+    assert one[1]["loss"] != one[0]["loss"]
+    whole = [load_file(str(tmp_path / run / "final" / "model.safetensors")) for run in ("one", "fsdp")]
+    assert whole[0].keys() == whole[1].keys()
+    for name in whole[0]:
+        torch.testing.assert_close(whole[0][name], whole[1][name], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("stage,weights", [("dpo", "adapter_off"), ("dpo", "precomputed_full"), ("sft", "lora"),
+                                           ("sft", "full")])
+def test_resume_is_bit_for_bit(workdir, tmp_path, stage, weights):
     """4 steps in one run equal 2 steps, stopped, then resumed to 4 from step_2: every metric line but the timings
-    is identical, under LoRA (the reference: the adapter off) and with full weights and the frozen reference's
-    log-probs computed once (precompute_ref_log_probs)."""
-    args = ["dpo.optim.lr_scheduler=constant", "dpo.optim.warmup_ratio=0", "dpo.save_freq=2", "dpo.eval_freq=2"]
-    if reference == "precomputed_full":
-        args += ["dpo.lora_rank=0", "dpo.precompute_ref_log_probs=true", "dpo.optim.lr=1e-4"]
-    run_stage("dpo.py", "dpo", workdir, tmp_path / "a", "dpo.total_steps=4", *args)
-    run_stage("dpo.py", "dpo", workdir, tmp_path / "b", "dpo.total_steps=2", *args)
-    proc = run_stage("dpo.py", "dpo", workdir, tmp_path / "b", "dpo.total_steps=4", *args)
+    is identical: dpo.py under LoRA (the reference: the adapter off) and with full weights and the frozen reference's
+    log-probs computed once (precompute_ref_log_probs); sft.py under LoRA and with full weights."""
+    args = [f"{stage}.optim.lr_scheduler=constant", f"{stage}.optim.warmup_ratio=0", f"{stage}.save_freq=2",
+            f"{stage}.eval_freq=2"]
+    if weights in ("precomputed_full", "full"):
+        args += [f"{stage}.lora_rank=0", f"{stage}.optim.lr=1e-4"]
+    if weights == "precomputed_full":
+        args += ["dpo.precompute_ref_log_probs=true"]
+    script = f"{stage}.py"
+    run_stage(script, stage, workdir, tmp_path / "a", f"{stage}.total_steps=4", *args)
+    run_stage(script, stage, workdir, tmp_path / "b", f"{stage}.total_steps=2", *args)
+    proc = run_stage(script, stage, workdir, tmp_path / "b", f"{stage}.total_steps=4", *args)
     assert "resumed from" in proc.stdout and "step_2" in proc.stdout
     strip = [{k: v for k, v in m.items() if not k.startswith("time/")} for m in read_metrics(tmp_path / "a")]
     resumed = [{k: v for k, v in m.items() if not k.startswith("time/")} for m in read_metrics(tmp_path / "b")]
