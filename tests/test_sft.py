@@ -1,5 +1,5 @@
 """sft.py: the loss equals a plain token-mean cross-entropy over the assistant's tokens, in every batch layout; the
-three row layouts; training end to end on a tiny model (a subprocess); the chain SFT → DPO → PPO through final/."""
+three row layouts; training end to end on a tiny model (a subprocess); the chain SFT → reward model, SFT → DPO → PPO through final/."""
 import math
 
 import pyarrow as pa
@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from conftest import arithmetic_run_folder, make_tokenizer, read_metrics
 from test_dpo import run_stage, workdir  # noqa: F401 (the fixture)
+from test_reward_model import run_rm
 
 import data
 import sft
@@ -66,14 +67,16 @@ def test_three_layouts_of_rows(tmp_path):
 
 
 def test_sft_then_dpo_then_ppo_chain_through_final(workdir, tmp_path):  # noqa: F811
-    """sft.py trains (its loss falls) and writes final/, a plain causal LM; dpo.py trains from it (dpo.model_path),
-    and ppo.py from dpo's final/ (model.path): each stage's final/ is the next one's model."""
+    """sft.py trains (its loss falls) and writes final/, a plain causal LM; reward_model.py and dpo.py train from it
+    (their model_path), and ppo.py from dpo's final/ (model.path): each stage's final/ is the next one's model."""
     sft_out, dpo_out = tmp_path / "sft", tmp_path / "dpo"
     run_stage("sft.py", "sft", workdir, sft_out, "sft.total_steps=6", "sft.eval_freq=0", "sft.optim.lr=3e-3")
     lines = read_metrics(sft_out)
     assert [m["step"] for m in lines] == list(range(7)) and "val/score/mean" in lines[0]
     assert all(math.isfinite(m["loss"]) for m in lines[1:]) and lines[-1]["loss"] < lines[1]["loss"]
     assert "val/loss" in lines[-1] and (sft_out / "final" / "config.json").exists()
+    run_rm(workdir, tmp_path / "rm", f"reward_model.model_path={sft_out}/final", "reward_model.total_steps=1")
+    assert (tmp_path / "rm" / "final" / "config.json").exists()  # SFT → reward model
     run_stage("dpo.py", "dpo", workdir, dpo_out, "dpo.total_steps=2", "dpo.eval_freq=0", "dpo.val_before_train=false",
               f"dpo.model_path={sft_out}/final")
     assert (dpo_out / "final" / "model.safetensors").exists()
