@@ -505,3 +505,58 @@ def test_the_teacher_is_refused_for_a_smaller_vocabulary_or_a_k1_loss(tmp_path):
     check_teacher(config(f"algorithm.teacher.path={same}", "algorithm.teacher.mode=loss",
                          "algorithm.teacher.kl_estimator=k3").algorithm.teacher, model)
     check_teacher(config(f"algorithm.teacher.path={same}").algorithm.teacher, model)
+
+
+SLOW_ENV = '''
+import os, time
+
+class Slow:
+    """Each step takes 3 s (within rollout.multi_turn.env_timeout_s), after writing the file $SLOW_ENV_MARK."""
+
+    def reset(self, row):
+        pass
+
+    def step(self, text):
+        open(os.environ["SLOW_ENV_MARK"], "w").close()
+        time.sleep(3)
+        return {"observations": [{"role": "user", "content": "again"}], "reward": 1.0, "done": False}
+'''
+
+
+def test_sigterm_to_every_process_during_an_environment_step_is_a_stop_not_an_environment_failure(root, tmp_path):
+    """SIGTERM to every process of a run (as Slurm sends it on preemption) while the environment's steps run: the
+    episode processes leave it to the run (as the reward workers do), so the step ends with its episodes whole
+    (agent/env_errors_share 0, no environment error on the console) and the run stops as a stop: a checkpoint,
+    exit 143, its sentence last. The episode processes used to die of it, and the step's episodes were counted
+    environment failures."""
+    import psutil
+    from conftest import read_metrics
+    (tmp_path / "slow.py").write_text(SLOW_ENV)
+    mark = tmp_path / "mark"
+    cmd = [sys.executable, "ppo.py", "--config", "configs.yaml", f"model.path={root}/model",
+           f"data.train_files={root}/train.parquet", f"data.val_files={root}/val.parquet", "rollout.name=hf",
+           "rollout.max_response_length=4", "data.max_prompt_length=128", "data.train_batch_size=2", "rollout.n=2",
+           "actor.ppo_mini_batch_size=2", "trainer.total_steps=3", "trainer.save_freq=0", "trainer.test_freq=0",
+           "trainer.val_before_train=false", "trainer.max_kl=0", "model.dtype=fp32", "model.lora_rank=4",
+           "model.target_modules=q_proj,v_proj", "algorithm.adv_estimator=grpo", "trainer.plot_curves=false",
+           f"trainer.output_dir={tmp_path}/out", "rollout.multi_turn.enable=true", "rollout.multi_turn.max_turns=2",
+           f"rollout.multi_turn.env={tmp_path}/slow.py:Slow"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", SLOW_ENV_MARK=str(mark)))
+    try:
+        deadline = time.monotonic() + 240
+        while not mark.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)  # every episode is in its step
+        family = psutil.Process(proc.pid).children(recursive=True)
+        assert any("episodes.py" in " ".join(p.cmdline()) for p in family)
+        for p in [psutil.Process(proc.pid), *family]:
+            p.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, stderr[-3000:]
+    assert stdout.strip().splitlines()[-1].startswith("stopped by SIGTERM after step 1, checkpoint saved"), stdout
+    steps = [m for m in read_metrics(tmp_path / "out") if m["step"] > 0]
+    assert [m["step"] for m in steps] == [1] and steps[0]["agent/env_errors_share"] == 0, steps
+    assert "killed by SIGTERM" not in stderr and "Traceback" not in stderr, stderr[-3000:]
