@@ -14,8 +14,7 @@ from it, which answers method calls over a pipe; the worker relays calls and ans
 running a call timeout_s after it began (SIGKILL: it needs no cooperation from the call). close() kills the whole
 process group. A worker whose parent is gone (its connection closed, or its parent pid changed) kills its group; a
 child whose worker is gone is killed by the kernel (PR_SET_PDEATHSIG). A process that leaves the group on purpose
-(setsid) is beyond reach. Ctrl-C and SIGTERM (Slurm's preemption reaches every process of the job) are the
-run's to act on: the worker and the objects' processes do not die of them.
+(setsid) is beyond reach.
 
 The worker imports the standard library, infra/worker.py and the user's files only: it starts in ~0.1 s, and a fork
 from it takes a few milliseconds.
