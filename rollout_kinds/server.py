@@ -11,6 +11,13 @@ offers a running server on a CPU: runtime LoRA loading (VLLM_ALLOW_RUNTIME_LORA_
 (VLLM_SERVER_DEV_MODE=1), the worker's in-place reload_weights from a folder, followed by /reset_prefix_cache. Between
 GPUs vLLM 0.32 also has a weight-transfer engine (/init_weight_transfer_engine, /update_weights over NCCL), which a
 CPU cannot run and this file does not use.
+
+Before any model loads, check_server refuses a url without a scheme, one where no server answers GET /v1/models with
+a model, and rollout.server.cpus that are not this process's cores. Every answer is checked against what was asked
+(read_choices: n choices, token ids in the policy's vocabulary, a log-prob each): a server that is not exactly vLLM
+stops the run in one sentence naming it and what it answered. Every request waits at most rollout.server.timeout_s;
+after a stop signal the generation in flight ends within that, and a second signal ends the run at once (the
+requests run in the calling thread's event loop, so no thread outlives it).
 """
 import asyncio
 import atexit
