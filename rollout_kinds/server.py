@@ -121,9 +121,10 @@ def read_choices(url: str, answer: dict, n: int, vocab_size: int) -> list[tuple[
     if not isinstance(choices, list) or len(choices) != n:
         refuse(f"{len(choices) if isinstance(choices, list) else 'no list of'} choices for n={n}")
     got = []
-    for c in sorted(choices, key=lambda c: c.get("index", 0) if isinstance(c, dict) else 0):
-        tokens = c.get("token_ids") if isinstance(c, dict) else None
-        logprobs = (c.get("logprobs") or {}).get("token_logprobs") if isinstance(c, dict) else None
+    for c in sorted((c if isinstance(c, dict) else {} for c in choices),
+                    key=lambda c: c.get("index") if type(c.get("index")) is int else 0):
+        tokens, logprobs = c.get("token_ids"), c.get("logprobs")
+        logprobs = logprobs.get("token_logprobs") if isinstance(logprobs, dict) else None
         if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
             refuse("a choice without a list of token_ids")
         if not all(0 <= t < vocab_size for t in tokens):
