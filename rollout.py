@@ -28,7 +28,7 @@ import logging
 import os
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Optional
@@ -39,8 +39,8 @@ from infra.batches import autocast_dtype
 from infra.config import ConfigError, load_target
 from infra.distributed import max_over_processes
 from infra.metrics import timed
-from infra.rollout_common import (cut_at_eos, eos_ids_of, kv_cache_bytes, left_pad, policy_weights, prompt_seeds,
-                                  prompts_and_budgets, right_pad, Rollout)
+from infra.rollout_common import (cut_at_eos, eos_ids_of, InTurn, kv_cache_bytes, left_pad, policy_weights,
+                                  prompt_seeds, prompts_and_budgets, right_pad, Rollout)
 
 
 class HFRollout:
@@ -233,6 +233,8 @@ class VLLMRollout:
 # rollout.name → its backend (a feature folder's as "module:name"); gives_logprobs and runs_apart decide the start-up
 # checks (check_rollout)
 KINDS = {"hf": HFRollout, "vllm": VLLMRollout, "server": "rollout_kinds.server:ServerRollout"}
+# rollout.name → the kind's own start-up check of its keys, before any model loads (check_rollout)
+KIND_CHECKS = {"server": "rollout_kinds.server:check_server"}
 # rollout.multi_turn: any kind's generate, turn after turn, an environment answering each turn
 MULTI_TURN = {"check": "agents.multi_turn:check_multi_turn", "rollout": "agents.multi_turn:AgentRollout"}
 
@@ -244,6 +246,8 @@ def check_rollout(cfg) -> None:
     if ro.name not in KINDS:
         raise ConfigError(f"rollout.name={ro.name!r} is not one of {', '.join(KINDS)}")
     kind, missing = load_target(KINDS[ro.name]), ro.name == "vllm" and importlib.util.find_spec("vllm") is None
+    if ro.name in KIND_CHECKS:
+        load_target(KIND_CHECKS[ro.name])(cfg)
     asked = [f"algorithm.{key}={getattr(alg, key)}" for key in ("rollout_is", "rollout_rs")
              if getattr(alg, key) not in ("off", "auto")]
     if ro.steps_ahead and not kind.runs_apart:
@@ -331,7 +335,7 @@ class RunAhead:
         """version: the actor's updates so far (a resumed run's too), which the backend's weights hold."""
         self.backend, self.cfg, self.k, self.version = backend, cfg_rollout, cfg_rollout.steps_ahead, version
         self.eos_ids, self.queue = backend.eos_ids, deque()  # Futures of Generated, the oldest first
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="rollout") if cfg_rollout.background else None
+        self.pool = InTurn("rollout") if cfg_rollout.background else None  # a daemon thread: Ctrl-C twice ends it
 
     def wants(self, step: int, total_steps: int) -> list[int]:
         """The steps whose prompts to draw now: the queue holds the batches of step … step + k."""
@@ -384,7 +388,7 @@ class RunAhead:
 
     def close(self) -> None:
         if self.pool is not None:
-            self.pool.shutdown(cancel_futures=True)
+            self.pool.shutdown(cancel=list(self.queue))
         self.backend.close()
 
 

@@ -194,7 +194,8 @@ class Relay:
             mine.close()
             for _, conn in self.children.values():
                 conn.close()
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            for sig in (signal.SIGTERM, signal.SIGINT):  # the run's, as the worker's (Slurm signals every process);
+                signal.signal(sig, lambda *_: None)  # a handler, not SIG_IGN: what the object execs gets the defaults
             target, build = self.targets[label]
             try:
                 serve_object(theirs, target, build)

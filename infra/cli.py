@@ -16,6 +16,7 @@ import sys
 import textwrap
 import types
 import typing
+import unicodedata
 from typing import Literal, Optional
 
 import torch
@@ -85,8 +86,15 @@ def all_keys(cls, prefix="") -> list[str]:
 
 
 def _unknown(key: str, root) -> ConfigError:
+    """The key as written, with any invisible or non-ASCII character escaped (a zero-width space as \\u200b) and
+    named, so that `rollout.n\\u200b` does not read as the valid key it looks like; and the nearest valid key."""
     near = difflib.get_close_matches(key, all_keys(root), n=1, cutoff=0.5)
     hint = f"; did you mean `{near[0]}`?" if near else "; see `--help` for the valid keys"
+    odd = sorted({c for c in key if not (c.isascii() and c.isprintable())})
+    if odd:
+        names = ", ".join(f"U+{ord(c):04X} {unicodedata.name(c, 'unnamed')}" for c in odd)
+        shown_key = key.encode("ascii", "backslashreplace").decode()
+        return ConfigError(f"unknown config key `{shown_key}`: it holds {names}, which may be invisible{hint}")
     return ConfigError(f"unknown config key `{key}`{hint}")
 
 

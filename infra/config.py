@@ -129,6 +129,10 @@ class ServerConfig:
     """seconds the child server may take to answer its first request"""
     max_concurrency: int = 64
     """requests (one per prompt) in flight at once from each process"""
+    timeout_s: float = 300.0
+    """seconds one request to the server may take (a prompt's completions, a weight push, the start-up GET
+    /v1/models): a server that accepts the connection but has not answered by then stops the run in one sentence
+    naming this key"""
     lora_push: Literal["adapter", "merged"] = "adapter"
     """a LoRA actor's weights to the server: adapter (vLLM's runtime LoRA loading, small) or merged (W + s·B·A as
     full weights, reloaded in place, as the colocated engine gets them: on one EPYC core the server generated the

@@ -194,7 +194,8 @@ class JudgeConfig(RequestFields):
     """the model to ask there; null = the one the endpoint serves"""
     api_key_env: str = "OPENAI_API_KEY"
     """environment variable holding the endpoint's API key (a local vLLM server needs none), so no key is saved
-    in the run's config.yaml"""
+    in the run's config.yaml; the key is sent only where base_url is https or this machine (localhost, 127.0.0.1,
+    ::1), never over plain http to another host, and start-up says in one line which"""
     prompt_template: Optional[str] = None
     """text file with the judge's prompt; {prompt}, {response} and {ground_truth} in it are replaced (a misspelt one,
     e.g. {respnse}, is refused at start-up)"""

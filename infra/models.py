@@ -301,10 +301,15 @@ def load_models(cfg, accelerator, fsdp, fwd, with_critic: bool):
 
 
 def check_teacher(cfg_teacher, cfg_model) -> None:
-    """Before any model loads: algorithm.teacher.path holds a model and a tokenizer whose vocabulary is the policy's
-    (the teacher's log-probabilities are read at the policy's token ids)."""
+    """Before any model loads: algorithm.teacher.path holds a model and a tokenizer whose vocabulary is the policy's,
+    and a config.json vocab_size no smaller than the policy's (the teacher's log-probabilities are read at the
+    policy's token ids); mode=loss has an estimator with a gradient (not k1, as TeacherConfig.kl_estimator says)."""
     if not cfg_teacher.path:
         return
+    if cfg_teacher.mode == "loss" and cfg_teacher.kl_estimator == "k1":
+        raise ConfigError("algorithm.teacher.mode=loss with algorithm.teacher.kl_estimator=k1: k1's gradient is zero "
+                          "in expectation, so the loss would not pull the policy towards the teacher; set "
+                          "algorithm.teacher.kl_estimator=k3 (or mode=reward, where k1 is the usual choice)")
     trust = cfg_model.trust_remote_code
     check_model_path(cfg_teacher.path, "algorithm.teacher.path", trust_remote_code=trust)
     check_model_path(cfg_teacher.path, "algorithm.teacher.path", need="tokenizer", trust_remote_code=trust)
@@ -316,6 +321,22 @@ def check_teacher(cfg_teacher, cfg_model) -> None:
                           f"policy's ({len(theirs)} tokens against {len(ours)}; (token, id) pairs in one only: "
                           f"{differ}), so its log-probabilities would be of other tokens; distil from a teacher with "
                           f"the policy's tokenizer")
+    theirs, ours = vocab_size(cfg_teacher.path), vocab_size(cfg_model.path)
+    if theirs is not None and ours is not None and theirs < ours:
+        raise ConfigError(f"algorithm.teacher.path={cfg_teacher.path}: its config.json's vocab_size {theirs} is "
+                          f"smaller than the policy's {ours}, so the policy can sample token ids the teacher has no "
+                          f"log-probability for; distil from a teacher with at least the policy's vocab_size")
+
+
+def vocab_size(path: str):
+    """config.json's vocab_size of the model folder `path` (its text config's for a multimodal one), or None."""
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    found = config.get("vocab_size", (config.get("text_config") or {}).get("vocab_size"))
+    return found if isinstance(found, int) else None
 
 
 def load_teacher(cfg, accelerator, fsdp, fwd):

@@ -1,7 +1,10 @@
 """What every rollout kind shares (rollout.py's, rollout_kinds/server.py's, agents/multi_turn.py's loop): the Rollout
 record they return and the Samples that step 3 makes of it, padded token rows, where a response ends, each prompt's
 sampling seed and budget, and the policy's weights streamed whole for an engine or a server to load."""
+import queue
 import random
+import threading
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -168,3 +171,34 @@ def policy_weights(model):
                     B, A = (whole(state[f"{name}.lora_{m}.{a}.weight"]) for m in "BA")  # (out, r), (r, in)
                     w = w + layer.scaling[a] * (B @ A)
         yield key.removeprefix("base_model.model.").replace(".base_layer.", "."), w
+
+
+class InTurn:
+    """Functions run one at a time, in the order submitted, in one daemon thread: ThreadPoolExecutor(1)'s schedule
+    (rollout.RunAhead's), but a thread that does not hold up the process's exit, which ThreadPoolExecutor's does (it
+    joins its threads at exit): a second Ctrl-C or SIGTERM while a generation runs stops the run at once."""
+
+    def __init__(self, name: str):
+        self.todo, self.thread = queue.SimpleQueue(), threading.Thread(target=self.run, name=name, daemon=True)
+        self.thread.start()
+
+    def submit(self, fn) -> Future:
+        future = Future()
+        self.todo.put((future, fn))
+        return future
+
+    def run(self) -> None:
+        while (job := self.todo.get()) is not None:
+            future, fn = job
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as e:  # the waiting thread raises it
+                    future.set_exception(e)
+
+    def shutdown(self, cancel: list) -> None:
+        """The futures of `cancel` not yet started are cancelled; the one running ends; then the thread."""
+        for future in cancel:
+            future.cancel()
+        self.todo.put(None)
+        self.thread.join()

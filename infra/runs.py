@@ -347,13 +347,18 @@ class StopSignal:
             os.write(2, f"\n{signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
                         f"(send it again to stop now)\n".encode())
 
-    def check_overdue(self, seconds: float) -> None:
+    def overdue(self, seconds: float) -> bool:
+        """A stop signal came more than `seconds` ago."""
+        return self.since is not None and time.monotonic() - self.since > seconds
+
+    def check_overdue(self, seconds: float, what: str = "a reward call", key: str = "reward.timeout_s") -> None:
         """Interrupted when the signal came more than `seconds` ago: called by a wait that the step cannot end
-        by itself (a reward call, infra/worker.py), so a hung call cannot hold a preempted run past its timeout."""
+        by itself (`what`: a reward call, infra/worker.py; a request to a reward server or judge, scorers/), so a hung
+        call cannot hold a preempted run past its timeout (`key`)."""
         if self.since is not None and time.monotonic() - self.since > seconds:
-            raise Interrupted(self.signum, f"while a reward call was still running {seconds:g} s later "
-                                           f"(reward.timeout_s); this step is not saved, the last checkpoint is kept: "
-                                           f"run the same command again to resume")
+            raise Interrupted(self.signum, f"while {what} was still running {seconds:g} s later ({key}); this step "
+                                           f"is not saved, the last checkpoint is kept: run the same command again "
+                                           f"to resume")
 
     def received(self, accelerator) -> int:
         """The signal's number if any process got one (all must stop at the same step), else 0."""

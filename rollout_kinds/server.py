@@ -11,9 +11,18 @@ offers a running server on a CPU: runtime LoRA loading (VLLM_ALLOW_RUNTIME_LORA_
 (VLLM_SERVER_DEV_MODE=1), the worker's in-place reload_weights from a folder, followed by /reset_prefix_cache. Between
 GPUs vLLM 0.32 also has a weight-transfer engine (/init_weight_transfer_engine, /update_weights over NCCL), which a
 CPU cannot run and this file does not use.
+
+Before any model loads, check_server refuses a url without a scheme, one where no server answers GET /v1/models with
+a model, and rollout.server.cpus that are not this process's cores. Every answer is checked against what was asked
+(read_choices: n choices, token ids in the policy's vocabulary, a log-prob each): a server that is not exactly vLLM
+stops the run in one sentence naming it and what it answered. Every request waits at most rollout.server.timeout_s;
+after a stop signal the generation in flight ends within that, and a second signal ends the run at once (the
+requests run in the calling thread's event loop, so no thread outlives it).
 """
+import asyncio
 import atexit
 import ctypes
+import http.client
 import json
 import os
 import shutil
@@ -24,7 +33,6 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator, Optional
 
 import torch
@@ -33,60 +41,144 @@ from safetensors.torch import save_file
 from infra.batches import autocast_dtype
 from infra.config import ConfigError
 from infra.distributed import whole
+from infra.runs import RunError
 from infra.rollout_common import (cut_at_eos, eos_ids_of, kv_cache_bytes, policy_weights, prompt_seeds,
                                    prompts_and_budgets, right_pad, Rollout)
 
 SERVED_NAME = "policy"  # the name the child serves model.path under
 
 
-def post(url: str, body: dict, timeout: float = 600.0) -> dict:
+def post(url: str, body: dict, timeout: float) -> dict:
     """POST `body` as JSON; the JSON answer ({"text": …} where it is plain text, as /v1/load_lora_adapter's). An HTTP
-    error raises RuntimeError with the server's words."""
+    error, no answer within `timeout` seconds (rollout.server.timeout_s) or a lost connection is a RunError naming
+    the url and what happened."""
     request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as reply:
             data = reply.read()
     except urllib.error.HTTPError as e:
-        raise RuntimeError(f"the rollout server answered {url} with {e.code}: {e.read().decode()[:500]}") from None
+        raise RunError(f"the rollout server answered {url} with {e.code}: {e.read().decode(errors='replace')[:500]}"
+                       ) from None
+    except (OSError, http.client.HTTPException) as e:  # refused, reset, or silent past the timeout
+        raise no_answer(url, e, timeout) from None
     try:
         return json.loads(data)
     except ValueError:
         return {"text": data.decode(errors="replace")}
 
 
-def served_model(url: str) -> str:
-    """The one model the server at `url` serves (GET /v1/models), or a ConfigError naming rollout.server.url."""
+def no_answer(url: str, e: Exception, timeout: float) -> RunError:
+    """A request to `url` that got no answer: silent past the timeout (rollout.server.timeout_s), refused, reset."""
+    silent = isinstance(e, TimeoutError) or "Timeout" in type(e).__name__ or "timed out" in str(e)
+    return RunError(f"the rollout server at {url}: " + (f"no answer within rollout.server.timeout_s={timeout:g} s"
+                                                        if silent else f"{type(e).__name__}: {e}"))
+
+
+def check_server(cfg) -> None:
+    """rollout.KIND_CHECKS' line, before any model loads: rollout.server.url, where set, is an http(s) address where
+    a server answers GET /v1/models (within rollout.server.timeout_s) and serves a model; rollout.server.cpus, where
+    set, lists cores this process may run on."""
+    s = cfg.rollout.server
+    if s.url:
+        if not s.url.startswith(("http://", "https://")):
+            raise ConfigError(f"rollout.server.url={s.url!r} has no scheme: write it as http://{s.url} (or https://)")
+        served_model(s.url.rstrip("/"), s.timeout_s)
+    if s.cpus:
+        cores, here = cpu_list(s.cpus), os.sched_getaffinity(0)
+        if not cores or not cores <= here:
+            raise ConfigError(f"rollout.server.cpus={s.cpus!r} names core(s) {sorted(cores - here)} that this process "
+                              f"cannot run on (it may use {sorted(here)})")
+
+
+def served_model(url: str, timeout: float) -> str:
+    """The first model the server at `url` serves (GET /v1/models), or a ConfigError naming rollout.server.url and
+    what it answered."""
     try:
-        with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as reply:
-            models = [m["id"] for m in json.loads(reply.read())["data"]]
-    except (OSError, ValueError, KeyError) as e:
-        raise ConfigError(f"rollout.server.url={url}: no OpenAI-compatible server answers ({e}); start one "
-                          f"(python -m vllm.entrypoints.openai.api_server --model …) or leave the key null") from None
+        with urllib.request.urlopen(f"{url}/v1/models", timeout=timeout) as reply:
+            answer = reply.read()
+    except (OSError, http.client.HTTPException) as e:
+        why = str(no_answer(url, e, timeout)).removeprefix(f"the rollout server at {url}: ")
+        raise ConfigError(f"rollout.server.url={url}: {why}; start one (python -m vllm.entrypoints.openai.api_server "
+                          f"--model …) or leave the key null") from None
+    try:
+        models = [m["id"] for m in json.loads(answer)["data"]]
+    except (ValueError, KeyError, TypeError) as e:
+        models = e
+    if not isinstance(models, list) or not models:
+        raise ConfigError(f"rollout.server.url={url}: GET /v1/models answered {answer[:200]!r}, not a list of models "
+                          f"as vLLM's server answers: is it vLLM's OpenAI-compatible server?")
     return models[0]
 
 
-class Client:
-    """Completions and weight pushes against one server. `complete` sends one request per prompt, at most
-    `max_concurrency` at a time, and returns each request's choices (token ids, log-probs) in prompt order."""
+def read_choices(url: str, answer: dict, n: int, vocab_size: int) -> list[tuple[list[int], list[float]]]:
+    """A /v1/completions answer → its `n` choices (token ids, their log-probs) in index order; a RunError naming the
+    server and what it answered unless it is what vLLM answers: `n` choices, each with token_ids (ints in
+    [0, vocab_size)) and as many logprobs.token_logprobs (numbers)."""
+    def refuse(what):
+        raise RunError(f"the rollout server at {url} answered a completion with {what} (answer: {str(answer)[:300]}); "
+                       f"rollout.name=server needs vLLM's OpenAI-compatible server (return_token_ids, logprobs)")
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    if not isinstance(choices, list) or len(choices) != n:
+        refuse(f"{len(choices) if isinstance(choices, list) else 'no list of'} choices for n={n}")
+    got = []
+    for c in sorted((c if isinstance(c, dict) else {} for c in choices),
+                    key=lambda c: c.get("index") if type(c.get("index")) is int else 0):
+        tokens, logprobs = c.get("token_ids"), c.get("logprobs")
+        logprobs = logprobs.get("token_logprobs") if isinstance(logprobs, dict) else None
+        if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+            refuse("a choice without a list of token_ids")
+        if not all(0 <= t < vocab_size for t in tokens):
+            refuse(f"token ids outside the policy's vocabulary of {vocab_size} "
+                   f"({[t for t in tokens if not 0 <= t < vocab_size][:5]})")
+        if not isinstance(logprobs, list) or len(logprobs) != len(tokens) or not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) for x in logprobs):
+            refuse("a choice without one number in logprobs.token_logprobs per token")
+        got.append((tokens, logprobs))
+    return got
 
-    def __init__(self, url: str, max_concurrency: int):
-        self.url, self.pool = url.rstrip("/"), ThreadPoolExecutor(max_concurrency, thread_name_prefix="completions")
-        self.base = served_model(self.url)
+
+class Client:
+    """Completions and weight pushes against one server, each request given `timeout` seconds. `complete` sends one
+    request per prompt, at most `max_concurrency` at a time, and returns each request's choices (token ids,
+    log-probs; read_choices) in prompt order."""
+
+    def __init__(self, url: str, max_concurrency: int, timeout: float, vocab_size: int):
+        self.url, self.max_concurrency = url.rstrip("/"), max_concurrency
+        self.timeout, self.vocab_size = timeout, vocab_size
+        self.base = served_model(self.url, timeout)
 
     def complete(self, requests: list[dict]) -> list[list[tuple[list[int], list[float]]]]:
-        def one(body):
-            choices = sorted(post(f"{self.url}/v1/completions", body)["choices"], key=lambda c: c["index"])
-            return [(c["token_ids"], c["logprobs"]["token_logprobs"]) for c in choices]
-        return list(self.pool.map(one, requests))
+        return asyncio.run(self.complete_all(requests))  # in the calling thread: nothing left running after a stop
+
+    async def complete_all(self, requests: list[dict]) -> list:
+        import httpx
+
+        limit, url = asyncio.Semaphore(self.max_concurrency), f"{self.url}/v1/completions"
+        async with httpx.AsyncClient(timeout=self.timeout) as client:
+            async def one(body):
+                async with limit:
+                    try:
+                        reply = await client.post(url, json=body)
+                    except httpx.HTTPError as e:
+                        raise no_answer(url, e, self.timeout) from None
+                if reply.status_code >= 400:
+                    raise RunError(f"the rollout server answered {url} with {reply.status_code}: {reply.text[:500]}")
+                try:
+                    answer = reply.json()
+                except ValueError:
+                    answer = reply.text
+                return read_choices(self.url, answer, body["n"], self.vocab_size)
+            return await asyncio.gather(*(one(body) for body in requests))
 
     def load_adapter(self, name: str, folder: str, previous: str = None) -> None:
-        post(f"{self.url}/v1/load_lora_adapter", {"lora_name": name, "lora_path": folder})
+        post(f"{self.url}/v1/load_lora_adapter", {"lora_name": name, "lora_path": folder}, self.timeout)
         if previous:  # its slot is needed, and nothing generates between two pushes
-            post(f"{self.url}/v1/unload_lora_adapter", {"lora_name": previous})
+            post(f"{self.url}/v1/unload_lora_adapter", {"lora_name": previous}, self.timeout)
 
     def reload_weights(self, folder: str) -> None:
-        post(f"{self.url}/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": folder}})
-        post(f"{self.url}/reset_prefix_cache", {})  # cached prefixes hold keys and values of the old weights
+        post(f"{self.url}/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": folder}},
+             self.timeout)
+        post(f"{self.url}/reset_prefix_cache", {}, self.timeout)  # cached prefixes hold the old weights' keys, values
 
 
 def save_weights(weights: Iterator, folder: str, shard_bytes: int = 2 << 30) -> None:
@@ -236,7 +328,9 @@ class ServerRollout:
                                                                                   "rollout_server.log"))
             url[0] = self.process.url
         broadcast_object_list(url)
-        self.client, self.adapter = Client(url[0], cfg.rollout.server.max_concurrency), url[1]
+        self.client = Client(url[0], cfg.rollout.server.max_concurrency, cfg.rollout.server.timeout_s,
+                             self.unwrap(model).config.vocab_size)
+        self.adapter = url[1]
         self.model_name = self.client.base
         self.sync_weights(model)  # so that a LoRA or resumed actor is what it samples from
 
@@ -293,7 +387,7 @@ class ServerRollout:
         if self.process is not None:
             self.process.stop()
         elif self.push_adapter and self.accelerator.is_main_process:
-            post(f"{self.client.url}/v1/unload_lora_adapter", {"lora_name": self.model_name})
+            post(f"{self.client.url}/v1/unload_lora_adapter", {"lora_name": self.model_name}, self.client.timeout)
         if self.accelerator.is_main_process:
             shutil.rmtree(self.folder, ignore_errors=True)
 

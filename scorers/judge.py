@@ -15,14 +15,17 @@ could not connect or got a 429 or 5xx is retried `max_retries` times, after back
 A sample whose request still fails, or whose answer does not parse, scores 0 and counts in reward/judge_errors; when
 that is every sample of a batch the run stops (rewards.RewardError), as for a failing reward function. A judge reply
 that is not a chat completion (a proxy's HTML page, no choices) is such an error. The API key (the variable
-reward.judge.api_key_env names) goes only in the Authorization header to base_url: redirects are not followed, and an
-error that quotes the key shows *** instead.
+reward.judge.api_key_env names) goes only in the Authorization header to base_url, and only where that is https or
+this machine (a loopback address; key_may_go_to; start-up says which in one line): redirects are not followed, and
+an error that quotes the key shows *** instead.
 """
 import asyncio
 import difflib
 import functools
+import ipaddress
 import os
 import re
+import urllib.parse
 from dataclasses import dataclass
 from typing import Optional
 
@@ -88,8 +91,12 @@ def read_template(path: Optional[str]) -> str:
                           "with {response} (and optionally {prompt}, {ground_truth}) in it")
     if not os.path.isfile(path):
         raise ConfigError(f"reward.judge.prompt_template: file {path} does not exist")
-    with open(path) as f:
-        template = f.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            template = f.read()
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"reward.judge.prompt_template: {path} is not UTF-8 text (byte {e.object[e.start]:#04x} at "
+                          f"offset {e.start}); save it as UTF-8") from None
     allowed = ", ".join(f"{{{name}}}" for name in PLACEHOLDERS)
     for word in re.findall(r"\{([\w \-]{1,40})\}", template):
         near = difflib.get_close_matches(word.lower().replace(" ", "_").replace("-", "_"), PLACEHOLDERS, n=1,
@@ -123,8 +130,33 @@ def render(template: str, row: dict, response: str) -> str:
 # The endpoint
 
 
+def key_may_go_to(base_url: str) -> bool:
+    """The API key is sent only over https or to this machine (localhost or a loopback address, 127.0.0.1, ::1):
+    over plain http to another host, anyone on the way could read it."""
+    parts = urllib.parse.urlsplit(base_url)
+    if parts.scheme == "https" or parts.hostname == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(parts.hostname or "").is_loopback
+    except ValueError:
+        return False
+
+
 def api_key(cfg) -> str:
-    return os.environ.get(cfg.api_key_env) or "EMPTY"  # vLLM's server takes any key unless started with one
+    """The key in $reward.judge.api_key_env where key_may_go_to(base_url), else "EMPTY" (vLLM's server takes any key
+    unless started with one)."""
+    key = os.environ.get(cfg.api_key_env)
+    return key if key and key_may_go_to(cfg.base_url) else "EMPTY"
+
+
+def key_line(cfg) -> Optional[str]:
+    """The start-up line on where the API key goes, or None when $api_key_env holds none."""
+    if not os.environ.get(cfg.api_key_env):
+        return None
+    if key_may_go_to(cfg.base_url):
+        return f"judge: the API key in ${cfg.api_key_env} is sent to {cfg.base_url} (https or this machine) only"
+    return (f"judge: the API key in ${cfg.api_key_env} is NOT sent to {cfg.base_url}: it is plain http to another "
+            f"machine, and a key goes only over https or to a loopback address (reward.judge.api_key_env)")
 
 
 def client(cfg, timeout: float, *, asynchronous: bool = False):
@@ -180,6 +212,9 @@ def check_judge(cfg) -> None:
     if not cfg.base_url:
         raise ConfigError("reward.judge.base_url is not set: give the judge's OpenAI-compatible endpoint, e.g. "
                           "http://127.0.0.1:8000/v1")
+    if not cfg.base_url.startswith(("http://", "https://")):
+        raise ConfigError(f"reward.judge.base_url={cfg.base_url!r} has no scheme: write it as http://{cfg.base_url} "
+                          f"(or https://)")
     if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", cfg.api_key_env):  # the value is not quoted: it may be a key
         raise ConfigError("reward.judge.api_key_env must be the name of an environment variable (letters, digits and "
                           "_, e.g. OPENAI_API_KEY) that holds the key: a key written in a config is saved in the "
@@ -191,6 +226,8 @@ def check_judge(cfg) -> None:
         raise ConfigError(f"reward.judge.min_score ({cfg.min_score}) must be below reward.judge.max_score "
                           f"({cfg.max_score})")
     served_model(cfg)
+    if key_line(cfg) and os.environ.get("RANK", "0") == "0":
+        print(key_line(cfg), flush=True)
 
 
 # ---------------------------------------------------------------------------------------
@@ -219,8 +256,10 @@ class Judged:
 class Judge:
     """reward.judge bound once: judge(rows, texts) → Judged, every request of the batch at once (bounded)."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, stop=None):
+        """`stop`: runs.StopSignal, which cuts the requests in flight reward.judge.timeout_s after it (None: none)."""
         self.cfg, self.template, self.model = cfg, read_template(cfg.prompt_template), served_model(cfg)
+        self.stop = stop
         self.parse = functools.partial(PARSERS[cfg.parser], low=cfg.min_score, high=cfg.max_score)
 
     def __call__(self, rows: list[dict], texts: list[str]) -> Judged:
@@ -238,10 +277,12 @@ class Judge:
         return Judged(scores, raw, len(errors), errors[0] if errors else None)
 
     async def ask_all(self, prompts: list[str]) -> list:
-        """Each prompt's answer, or the exception its last attempt raised; max_concurrency requests in flight."""
+        """Each prompt's answer, or the exception its last attempt raised; max_concurrency requests in flight, cut
+        reward.judge.timeout_s after a stop signal (gather_or_stop)."""
         limit = asyncio.Semaphore(self.cfg.max_concurrency)
         async with client(self.cfg, self.cfg.timeout_s, asynchronous=True) as judge:
-            return await asyncio.gather(*(self.ask(judge, limit, p) for p in prompts), return_exceptions=True)
+            return await gather_or_stop([self.ask(judge, limit, p) for p in prompts], self.stop, self.cfg.timeout_s,
+                                        f"a request to the judge {self.cfg.base_url}", "reward.judge.timeout_s")
 
     async def ask(self, client, limit: asyncio.Semaphore, prompt: str) -> str:
         """One chat completion, retried (with_retries) after a timeout, a lost connection, a 429 or a 5xx."""
@@ -269,11 +310,28 @@ async def with_retries(request, retried: tuple, limit: asyncio.Semaphore, cfg):
         await asyncio.sleep(cfg.backoff_s * 2 ** attempt)
 
 
+async def gather_or_stop(awaitables: list, stop, seconds: float, what: str, key: str) -> list:
+    """Each awaitable's result, or the exception it raised (asyncio.gather's return_exceptions=True); but when a stop
+    signal (runs.StopSignal; None: none) came more than `seconds` (the request's timeout, `key`) ago and some still
+    wait, they are cancelled and runs.Interrupted names `what` and `key`: a preempted run waits for a slow server at
+    most one request's timeout (exit 143), not every retry's."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    while True:
+        _, pending = await asyncio.wait(tasks, timeout=0.2) if tasks else (None, ())
+        if not pending:
+            return [t.exception() or t.result() for t in tasks]
+        if stop is not None and stop.overdue(seconds):
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            stop.check_overdue(seconds, what, key)
+
+
 class JudgeScorer:
     """rewards.SCORERS["judge"]: the judge's parsed answers as scores, its raw ones as extras (the sample table)."""
 
     def __init__(self, cfg_reward, setup):
-        self.judge = Judge(cfg_reward.judge)
+        self.judge = Judge(cfg_reward.judge, setup.stop)
 
     def __call__(self, rows: list[dict], texts: list[str], ro=None) -> Scores:
         judged = self.judge(rows, texts)

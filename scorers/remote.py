@@ -8,9 +8,12 @@ JSON in OpenRLHF's --remote_rm_url format, so that a server written for OpenRLHF
 
 It keeps `max_concurrency` requests in flight at once, each given `timeout_s` seconds, and one that timed out, could
 not connect or got a 429 or 5xx is retried `max_retries` times, after backoff_s, 2·backoff_s, … seconds (the judge's
-with_retries). A sample whose request still fails, or whose answer does not read (bad JSON, a wrong count, not a
-number), scores 0 and counts in reward/remote_errors; when that is every sample of a batch the run stops
-(rewards.RewardError), as for a failing reward function.
+with_retries); after a stop signal the requests in flight are cut within timeout_s (exit 143). Before any model loads,
+check_remote sends one sample (an empty response) and reads its answer: an address where nothing answers, or where
+something other than a reward server does, stops the run in one sentence. A sample whose request still fails, or
+whose answer does not read (bad JSON, a wrong count, not a finite number within reward.max_abs_score), scores 0 and
+counts in reward/remote_errors; when that is every sample of a batch the run stops (rewards.RewardError), as for a
+failing reward function.
 """
 import asyncio
 import functools
@@ -22,23 +25,50 @@ import torch
 
 from infra.config import ConfigError
 from rewards import count_failures, Scores
-from scorers.judge import with_retries
+from scorers.judge import gather_or_stop, with_retries
 
 
 class ServerError(Exception):
     """A server's answer that is no use: not JSON, no list of rewards, the wrong count, not numbers, or a 4xx."""
 
 
-def check_remote(cfg) -> None:
-    """Before any model loads: reward.remote.url is set to an http(s) address."""
+def check_remote(cfg, max_abs_score: float) -> None:
+    """Before any model loads: reward.remote.url is an http(s) address where a reward server answers one sample (an
+    empty response, probe), as a batch's requests will be answered (read_rewards)."""
     if not cfg.url or not cfg.url.startswith(("http://", "https://")):
         raise ConfigError(f"reward.remote.url={cfg.url!r}: give the reward server's address, e.g. "
                           f"http://127.0.0.1:5000/get_reward (a server written for OpenRLHF's --remote_rm_url works)")
+    try:
+        read_rewards(probe(cfg), 1, max_abs_score)
+    except Exception as e:
+        raise ConfigError(f"reward.remote.url={cfg.url}: one sample (an empty response) sent at start-up got "
+                          f"{type(e).__name__}: {answered(e, cfg)}; a reward server answers {{\"rewards\": [one number "
+                          f"per sample]}}") from None
 
 
-def read_rewards(body: bytes, count: int) -> tuple[list[float], dict]:
+def probe(cfg) -> bytes:
+    """The body of the server's answer to one sample with an empty response, within reward.remote.timeout_s (no
+    retries); a ServerError for an HTTP error."""
+    import httpx
+
+    piece = {"query": [""], "prompts": [""], "labels": [None], "responses": [""], "data_sources": [None],
+             "extra_info": [None]}
+    response = httpx.post(cfg.url, json=piece, timeout=cfg.timeout_s)
+    if response.status_code >= 400:
+        raise ServerError(f"HTTP {response.status_code}: {response.text[:200]}")
+    return response.content
+
+
+def answered(e: Exception, cfg) -> str:
+    """An error in a few words: a timeout names reward.remote.timeout_s."""
+    if "Timeout" in type(e).__name__:
+        return f"no answer within reward.remote.timeout_s={cfg.timeout_s:g} s"
+    return " ".join(str(e).split())[:300]
+
+
+def read_rewards(body: bytes, count: int, max_abs_score: float) -> tuple[list[float], dict]:
     """A server's answer → (rewards, extra_logs' lists of numbers); ServerError when it is not JSON holding
-    "rewards" (or "scores"): `count` finite numbers."""
+    "rewards" (or "scores"): `count` finite numbers within ±max_abs_score (reward.max_abs_score)."""
     try:
         answer = json.loads(body)
     except ValueError as e:
@@ -50,6 +80,8 @@ def read_rewards(body: bytes, count: int) -> tuple[list[float], dict]:
         raise ServerError(f"{len(found)} rewards came back for {count} samples")
     if not all(isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x) for x in found):
         raise ServerError(f"the rewards are not all finite numbers: {str(found)[:200]}")
+    if any(abs(x) > max_abs_score for x in found):
+        raise ServerError(f"a reward is beyond reward.max_abs_score={max_abs_score:g}: {str(found)[:200]}")
     logs = answer.get("extra_logs") if isinstance(answer.get("extra_logs"), dict) else {}
     numeric = {key: [float(x) for x in v] for key, v in logs.items() if isinstance(v, list) and all(
         isinstance(x, numbers.Real) and math.isfinite(x) for x in v)}
@@ -62,7 +94,8 @@ class RemoteScorer:
     whose answer does not read (read_rewards) scores 0, its samples counted in reward/remote_errors."""
 
     def __init__(self, cfg_reward, setup):
-        self.cfg, self.tokenizer = cfg_reward.remote, setup.tokenizer
+        self.cfg, self.tokenizer, self.stop = cfg_reward.remote, setup.tokenizer, setup.stop
+        self.max_abs_score = cfg_reward.max_abs_score
 
     def payload(self, rows: list[dict], texts: list[str], ro) -> dict:
         """OpenRLHF's query is the prompt and the response decoded together with their special tokens (the EOS, and
@@ -87,7 +120,7 @@ class RemoteScorer:
             try:
                 if isinstance(answer, BaseException):
                     raise answer
-                got, more = read_rewards(answer, len(piece["query"]))
+                got, more = read_rewards(answer, len(piece["query"]), self.max_abs_score)
             except Exception as e:
                 got, more, errors = [0.0] * len(piece["query"]), {}, errors + len(piece["query"])
                 first = first or f"{type(e).__name__}: {e}"
@@ -100,7 +133,8 @@ class RemoteScorer:
         return Scores(torch.tensor(scores, dtype=torch.float32), metrics=metrics)
 
     async def post_all(self, pieces: list[dict]) -> list:
-        """Each piece's answer (the body), or the exception its last attempt raised."""
+        """Each piece's answer (the body), or the exception its last attempt raised; cut reward.remote.timeout_s after
+        a stop signal (gather_or_stop)."""
         import httpx
 
         limit = asyncio.Semaphore(self.cfg.max_concurrency)
@@ -114,8 +148,9 @@ class RemoteScorer:
                 if response.status_code >= 400:
                     raise ServerError(f"HTTP {response.status_code} from {self.cfg.url}: {response.text[:200]}")
                 return response.content
-            return await asyncio.gather(*(with_retries(functools.partial(post, piece), retried, limit, self.cfg)
-                                          for piece in pieces), return_exceptions=True)
+            return await gather_or_stop([with_retries(functools.partial(post, piece), retried, limit, self.cfg)
+                                         for piece in pieces], self.stop, self.cfg.timeout_s,
+                                        f"a request to the reward server {self.cfg.url}", "reward.remote.timeout_s")
 
 
 class RetriedStatus(Exception):
@@ -124,4 +159,4 @@ class RetriedStatus(Exception):
 
 def check_remote_source(cfg_reward, trust_remote_code: bool) -> None:
     """rewards.CHECKS' line for reward.sources=[remote]."""
-    check_remote(cfg_reward.remote)
+    check_remote(cfg_reward.remote, cfg_reward.max_abs_score)

@@ -179,7 +179,8 @@ def launched(args: list[str]) -> tuple[int, dict, str, list[str]]:
 @pytest.fixture(scope="module")
 def stand_ins(tmp_path_factory, tiny):
     """What a documented line names but this machine lacks: a tiny model, GSM8K-shaped parquet files (300 rows:
-    enough for a 256-prompt step), arithmetic, tool and preference data, a judge endpoint; and srun and scontrol for sbatch."""
+    enough for a 256-prompt step), arithmetic, tool and preference data, a judge endpoint (a rollout server's too); and
+    srun and scontrol for sbatch."""
     import data
     from test_judge import StubServer
     root = tmp_path_factory.mktemp("stand_ins")
@@ -221,6 +222,8 @@ def stand_in_overrides(cfg, s: dict) -> list[str]:
     out = [f"{k}={v}" for k, v in paths.items() if flat.get(k) and not os.path.exists(str(flat[k]))]
     if flat.get("reward.type") == "judge" or "judge" in (flat.get("reward.sources") or []):
         out.append(f"reward.judge.base_url={s['judge']}")
+    if flat.get("rollout.server.url"):  # asked for its models at start-up: the stub lists one
+        out.append(f"rollout.server.url={s['judge'].removesuffix('/v1')}")
     return out
 
 

@@ -98,7 +98,7 @@ def base_restored(server):
     yield
     from rollout_kinds.server import Client
     root, url = server
-    Client(url, 1).reload_weights(str(root / "model"))
+    Client(url, 1, 300.0, 1 << 30).reload_weights(str(root / "model"))
 
 
 @pytest.mark.parametrize("push", ["adapter", "merged"])

@@ -389,10 +389,10 @@ def test_a_teacher_with_another_vocabulary_is_refused(tmp_path):
     from infra.models import check_teacher
     policy = make_tiny_model(tmp_path / "policy")
     model = SimpleNamespace(path=policy, tokenizer_path=None, trust_remote_code=False)
-    check_teacher(SimpleNamespace(path=make_tiny_model(tmp_path / "same", seed=1)), model)
+    check_teacher(SimpleNamespace(path=make_tiny_model(tmp_path / "same", seed=1), mode="reward"), model)
     other = make_tiny_model(tmp_path / "other", tokenizer=make_tokenizer(vocab_size=300))
     with pytest.raises(ConfigError, match=r"algorithm.teacher.path=.*other: its tokenizer's vocabulary is not the") as e:
-        check_teacher(SimpleNamespace(path=other), model)
+        check_teacher(SimpleNamespace(path=other, mode="reward"), model)
     assert str(e.value).count(". ") == 0
 
 
