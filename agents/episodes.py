@@ -13,13 +13,24 @@ process group holds it, every process it forks and every process those start. An
 from it, which answers method calls over a pipe; the worker relays calls and answers, and kills a child still
 running a call timeout_s after it began (SIGKILL: it needs no cooperation from the call). close() kills the whole
 process group. A worker whose parent is gone (its connection closed, or its parent pid changed) kills its group; a
-child whose worker is gone is killed by the kernel (PR_SET_PDEATHSIG). A process that leaves the group on purpose
-(setsid) is beyond reach.
+child whose worker is gone is killed by the kernel (PR_SET_PDEATHSIG). A process that leaves the group (setsid, a
+daemon) is still the worker's: the worker is a child subreaper (PR_SET_CHILD_SUBREAPER), so what such a process's
+parent leaves behind is inherited by the worker, which kills it within a second; at close the worker kills every
+process descended from it before its group. Beyond reach: a process that a daemon hands to another (a request to
+systemd, docker, ssh), and, when the worker itself is killed by SIGKILL from outside, what left its group.
+
+What crosses back is plain (plain()): None, bool, int, float, str, lists, tuples and dicts of them, and the
+library's own records (agents.environments' Reset, Step) rebuilt of plain fields; anything else, an object of the
+user's own class (which the trainer could not unpickle), is its str() (one that raises fails the call), and an int
+beyond a float's range is ±inf.
 
 The worker imports the standard library, infra/worker.py and the user's files only: it starts in ~0.1 s, and a fork
 from it takes a few milliseconds.
 """
 import ctypes
+import dataclasses
+import math
+import numbers
 import os
 import signal
 import subprocess
@@ -142,6 +153,53 @@ def die_with_parent() -> None:
         pass
 
 
+def plain(value, depth: int = 0):
+    """`value` as the trainer can unpickle it without the user's files (module docstring): plain types, the
+    library's records rebuilt, anything else its str() (a str() that raises: a sentence saying so)."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        return str.__str__(value)  # a subclass of str: its text
+    if isinstance(value, numbers.Integral):
+        value = int(value)
+        return value if abs(value) < 2 ** 1023 else math.copysign(math.inf, value)  # no OverflowError later
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if depth < 32 and isinstance(value, (list, tuple)):
+        items = [plain(v, depth + 1) for v in value]
+        return items if isinstance(value, list) else tuple(items)
+    if depth < 32 and isinstance(value, dict):
+        return {plain(k, depth + 1) if isinstance(k, (str, numbers.Number)) or k is None else as_text(k):
+                plain(v, depth + 1) for k, v in value.items()}
+    record = library_record(type(value)) if dataclasses.is_dataclass(value) and depth < 32 else None
+    if record is not None:
+        return record(**{f.name: plain(getattr(value, f.name), depth + 1) for f in dataclasses.fields(record)})
+    return as_text(value)
+
+
+def library_record(cls):
+    """The first of cls's bases that is a dataclass of this library (agents/…: Reset, Step), or None."""
+    return next((base for base in cls.__mro__ if base.__module__.startswith("agents.")
+                 and dataclasses.is_dataclass(base)), None)
+
+
+def as_text(value) -> str:
+    """str(value); a TypeError in one sentence when that raises."""
+    try:
+        return str.__str__(str(value))
+    except BaseException as e:
+        raise TypeError(f"the result is a {type(value).__name__} object, whose str() raised "
+                        f"{type(e).__name__}: {error_text(e)}") from None
+
+
+def error_text(e: BaseException) -> str:
+    """str(e), or its type's name when that raises."""
+    try:
+        return str.__str__(str(e))
+    except BaseException:
+        return f"(a {type(e).__name__} whose str() raised)"
+
+
 def serve_object(conn: Connection, target, build: bool) -> None:
     """In the forked child: build the object, then answer (method, args, kwargs) until the worker says end."""
     try:
@@ -166,9 +224,10 @@ def serve_object(conn: Connection, target, build: bool) -> None:
             if error:
                 raise RuntimeError(error)
             fn = obj if method is None else getattr(obj, method)
-            reply = (True, fn(*args, **kwargs))
+            result = fn(*args, **kwargs)
+            reply = (True, plain(result))
         except BaseException as e:  # SystemExit too: an error for this call
-            reply = (False, f"{type(e).__name__}: {e}")
+            reply = (False, f"{type(e).__name__}: {error_text(e)}")
         try:
             conn.send(reply)
         except Exception as e:  # a result pickle cannot carry
