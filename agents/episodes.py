@@ -133,7 +133,13 @@ class ObjectHost:
 
 
 def end_group(proc: subprocess.Popen, conn: Connection) -> None:
+    """Close the connection, which tells the worker to kill every process descended from it and its group; kill the
+    group from here when it has not ended within a few seconds."""
     conn.close()
+    try:
+        proc.wait(timeout=GRACE_S)
+    except subprocess.TimeoutExpired:
+        pass
     try:
         os.killpg(proc.pid, signal.SIGKILL)  # the group is the worker's session: its pid
     except ProcessLookupError:
@@ -143,6 +149,70 @@ def end_group(proc: subprocess.Popen, conn: Connection) -> None:
 
 # ---------------------------------------------------------------------------------------
 # The worker's side: a relay between the parent and one child process per object
+
+
+def become_subreaper() -> None:
+    """Make the orphans of this process's descendants its own children, not init's (Linux; elsewhere nothing)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        pass
+
+
+def descendants(root: int) -> list[int]:
+    """Every live process below `root` in the process tree (/proc; its children first), whatever its session."""
+    children = {}
+    for name in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])  # the fields after "(command)": state, ppid
+        except (ValueError, OSError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(name))
+    found, todo = [], list(children.get(root, []))
+    while todo:
+        pid = todo.pop(0)
+        found.append(pid)
+        todo += children.get(pid, [])
+    return found
+
+
+def kill_all(pids: list[int]) -> None:
+    """SIGKILL each pid, then reap those that are this process's children."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for pid in pids:
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass  # not ours: its own parent (killed too) or init reaps it
+
+
+def end_inherited(known: set[int]) -> None:
+    """Kill what this subreaper inherited (the children that are not an object's: orphans of a process an object
+    started, which left the group), with whatever they started."""
+    me = os.getpid()
+    inherited = [pid for pid in descendants(me) if pid not in known and parent_of(pid) == me]
+    kill_all([p for pid in inherited for p in [pid, *descendants(pid)]])
+
+
+def parent_of(pid: int) -> Optional[int]:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (ValueError, OSError, IndexError):
+        return None
+
+
+def end_everything() -> None:
+    """Kill every process descended from this one, in or out of its group, then the group (this process too)."""
+    kill_all(descendants(os.getpid()))
+    os.killpg(0, signal.SIGKILL)
 
 
 def die_with_parent() -> None:
@@ -332,7 +402,7 @@ def serve(conn: Connection) -> None:
         return
     conn.send(("ready", checks))
     timeout_s = setup["timeout_s"]
-    relay = Relay(conn, targets, timeout_s)
+    relay, next_reap = Relay(conn, targets, timeout_s), 0.0
     while True:
         by_conn = {c: key for key, (_, c) in relay.children.items()}
         deadlines = [d for _, d in relay.running.values()] + [d for _, d in relay.leaving]
@@ -368,6 +438,9 @@ def serve(conn: Connection) -> None:
                     pass
                 relay.leaving.remove((pid, kill_after))
         relay.dispatch()
+        if now > next_reap:
+            end_inherited({pid for pid, _ in relay.children.values()} | {pid for pid, _ in relay.leaving})
+            next_reap = now + 1.0
 
 
 def child_exit(pid: int) -> str:
@@ -388,13 +461,14 @@ def kill_group_when_orphaned(parent: int) -> None:
     """The run's process is gone (even by SIGKILL): end this whole process group within a second."""
     while os.getppid() == parent:
         time.sleep(1.0)
-    os.killpg(0, signal.SIGKILL)
+    end_everything()
 
 
 if __name__ == "__main__":
     # Ctrl-C and SIGTERM are for the run's process, which decides when the objects end (close()).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    become_subreaper()
     threading.Thread(target=kill_group_when_orphaned, args=(os.getppid(),), daemon=True).start()
     serve(Connection(int(sys.argv[1])))
-    os.killpg(0, signal.SIGKILL)  # the parent closed the connection, or died: nothing of the group outlives it
+    end_everything()  # the parent closed the connection, or died: nothing the worker started outlives it
