@@ -232,7 +232,7 @@ def plain(value, depth: int = 0):
         return str.__str__(value)  # a subclass of str: its text
     if isinstance(value, numbers.Integral):
         value = int(value)
-        return value if abs(value) < 2 ** 1023 else math.copysign(math.inf, value)  # no OverflowError later
+        return value if abs(value) < 2 ** 1023 else math.inf if value > 0 else -math.inf  # no OverflowError later
     if isinstance(value, numbers.Real):
         return float(value)
     if depth < 32 and isinstance(value, (list, tuple)):

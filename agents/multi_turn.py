@@ -157,7 +157,7 @@ class TurnSettings:
     max_prompt_length: int  # data.max_prompt_length: an environment's first messages
     environment: object  # environments.HostedEnvironment, or tools.py's ToolEnvironment, MethodEnvironment
     max_abs_score: float = math.inf  # reward.max_abs_score: the bound of every step's reward
-    source: str = "the environment"  # what a failure names: the environment's or the tools' key and value
+    source: str = "rollout.multi_turn"  # what a failure names: the environment's or the tools' key and value
 
     def metric_names(self) -> list[str]:
         """The agent/* names a rollout logs (validation logs them as val/agent/*)."""

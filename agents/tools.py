@@ -119,7 +119,7 @@ class ToolEnvironment:
 def as_reward(value) -> float:
     """get_reward()'s value as a finite float, or a TypeError / ValueError saying what it returned."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"get_reward() returned {type(value).__name__} {str(value)[:80]!r}, not a number")
+        raise TypeError(f"get_reward() returned {type(value).__name__} {repr(value)[:80]}, not a number")
     if not math.isfinite(value):
         raise ValueError(f"get_reward() returned {value}, not a finite number")
     return float(value)
