@@ -231,7 +231,7 @@ class AgentRollout:
             checks.append((f"the tools of {self.s.source}", len(failed), sum(e.calls_run for e in episodes),
                            failed[:1], "tool calls"))
         all_failed = any(errors and errors == total for _, errors, total, _, _ in checks)
-        elsewhere = self.reduce_max(int(all_failed))  # the same on every process: all stop, or none
+        elsewhere = self.reduce_max(int(all_failed) - 1) == 0  # 0: some process's batch all failed; −1: none did
         for what, errors, total, first, unit in checks:
             count_failures(what, errors, total, first[0] if first else None, unit, "first turns alone",
                            "its episode ended there" if unit == "samples" else "the model read the error")

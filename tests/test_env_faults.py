@@ -378,3 +378,37 @@ def test_step_rewards_all_dropped_stop_and_each_is_finite_bounded_and_at_most_on
         assert metrics["reward/step_errors"] == 1.0 and rewards[0].sum() == 0.5 and rewards[1].abs().sum() == 0
     rewards, metrics = step_rewards(tokenizer, ro, [{"score": 1.0}, good], max_abs_score=100.0)  # none returned
     assert metrics == {"reward/step_errors": 0.0, "reward/step_samples": 1.0}
+
+
+# ---------------------------------------------------------------------------------------
+# ppo.py end to end: never an exit 0 that trained on nothing
+
+
+def test_ppo_with_an_environment_that_cannot_be_built_exits_non_zero_in_one_sentence(tiny_model_dir, files, tmp_path):
+    """ppo.py with an environment whose constructor raises: the first step stops the run with exit code 1 and the
+    one sentence naming rollout.multi_turn.env and the constructor's error, no traceback (it used to train on
+    first turns alone and exit 0)."""
+    import os
+    import sys
+    import data
+    from conftest import REPO
+    rows = [{"prompt": question(a, 1), "ground_truth": str(a + 1), "data_source": "x",
+             "extra_info": {"fault": "none"}} for a in range(4)]
+    data.write_parquet(rows, str(tmp_path / "train.parquet"))
+    (tmp_path / "reward.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
+                                        "    return 1.0\n")
+    spec = f"{files}/faults.py:RaisesInInit"
+    proc = subprocess.run(
+        [sys.executable, "ppo.py", "--config", "configs.yaml", f"model.path={tiny_model_dir}",
+         f"data.train_files={tmp_path}/train.parquet", f"data.val_files={tmp_path}/train.parquet",
+         f"reward.function={tmp_path}/reward.py:compute_score",
+         "rollout.name=hf", "rollout.max_response_length=16", "data.max_prompt_length=48",
+         "rollout.multi_turn.enable=true", f"rollout.multi_turn.env={spec}", "data.train_batch_size=2", "rollout.n=2",
+         "actor.ppo_mini_batch_size=2", "algorithm.adv_estimator=grpo", "trainer.total_steps=2", "trainer.max_kl=0",
+         "model.dtype=fp32", "trainer.plot_curves=false", f"trainer.output_dir={tmp_path}/out"],
+        cwd=REPO, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert (f"ppo.py: the environment rollout.multi_turn.env={spec} failed on all 4 samples of a batch, so training "
+            f"would learn from first turns alone; the first error: reset: RuntimeError: OSError in the constructor: "
+            f"the game server is down") in proc.stderr
+    assert "Traceback" not in proc.stderr
