@@ -13,19 +13,12 @@ process group holds it, every process it forks and every process those start. An
 from it, which answers method calls over a pipe; the worker relays calls and answers, and kills a child still
 running a call timeout_s after it began (SIGKILL: it needs no cooperation from the call). close() kills the whole
 process group. A worker whose parent is gone (its connection closed, or its parent pid changed) kills its group; a
-child whose worker is gone is killed by the kernel (PR_SET_PDEATHSIG). A process that leaves the group (setsid, a
-daemon) is still the worker's: the worker is a child subreaper (PR_SET_CHILD_SUBREAPER), so what such a process's
-parent leaves behind is inherited by the worker, which kills it within a second; at close the worker kills every
-process descended from it before its group. Beyond reach: a process that a daemon hands to another (a request to
-systemd, docker, ssh), and, when the worker itself is killed by SIGKILL from outside, what left its group.
+child whose worker is gone is killed by the kernel (PR_SET_PDEATHSIG). What leaves the group (setsid, a daemon) is
+still the worker's: a child subreaper, it kills such processes once their parent ends, and every one at close
+(agents/reaping.py). What crosses back is plain values (plain(): a user's own class as its str()).
 
-What crosses back is plain (plain()): None, bool, int, float, str, lists, tuples and dicts of them, and the
-library's own records (agents.environments' Reset, Step) rebuilt of plain fields; anything else, an object of the
-user's own class (which the trainer could not unpickle), is its str() (one that raises fails the call), and an int
-beyond a float's range is ±inf.
-
-The worker imports the standard library, infra/worker.py and the user's files only: it starts in ~0.1 s, and a fork
-from it takes a few milliseconds.
+The worker imports the standard library, infra/worker.py, agents/reaping.py and the user's files only: it starts in
+~0.1 s, and a fork from it takes a few milliseconds.
 """
 import ctypes
 import dataclasses
@@ -45,6 +38,7 @@ from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script: infra/ importable
 from infra.worker import CallFailed, GRACE_S, WorkerStartError, import_function  # noqa: E402
+from agents.reaping import become_subreaper, end_everything, end_inherited  # noqa: E402
 
 
 class ObjectHost:
@@ -149,70 +143,6 @@ def end_group(proc: subprocess.Popen, conn: Connection) -> None:
 
 # ---------------------------------------------------------------------------------------
 # The worker's side: a relay between the parent and one child process per object
-
-
-def become_subreaper() -> None:
-    """Make the orphans of this process's descendants its own children, not init's (Linux; elsewhere nothing)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
-    except (OSError, AttributeError):
-        pass
-
-
-def descendants(root: int) -> list[int]:
-    """Every live process below `root` in the process tree (/proc; its children first), whatever its session."""
-    children = {}
-    for name in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])  # the fields after "(command)": state, ppid
-        except (ValueError, OSError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(name))
-    found, todo = [], list(children.get(root, []))
-    while todo:
-        pid = todo.pop(0)
-        found.append(pid)
-        todo += children.get(pid, [])
-    return found
-
-
-def kill_all(pids: list[int]) -> None:
-    """SIGKILL each pid, then reap those that are this process's children."""
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    for pid in pids:
-        try:
-            os.waitpid(pid, 0)
-        except ChildProcessError:
-            pass  # not ours: its own parent (killed too) or init reaps it
-
-
-def end_inherited(known: set[int]) -> None:
-    """Kill what this subreaper inherited (the children that are not an object's: orphans of a process an object
-    started, which left the group), with whatever they started."""
-    me = os.getpid()
-    inherited = [pid for pid in descendants(me) if pid not in known and parent_of(pid) == me]
-    kill_all([p for pid in inherited for p in [pid, *descendants(pid)]])
-
-
-def parent_of(pid: int) -> Optional[int]:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except (ValueError, OSError, IndexError):
-        return None
-
-
-def end_everything() -> None:
-    """Kill every process descended from this one, in or out of its group, then the group (this process too)."""
-    kill_all(descendants(os.getpid()))
-    os.killpg(0, signal.SIGKILL)
 
 
 def die_with_parent() -> None:

@@ -35,6 +35,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from agents.environments import HostedEnvironment, ToolTemplate
+from agents.limits import bounded, check_messages, RESET_ROLES, STEP_ROLES
 from agents.tools import MethodEnvironment, ToolEnvironment
 from infra.config import ConfigError
 from infra.worker import CallFailed
@@ -325,36 +326,6 @@ class AgentRollout:
                        metrics=agent_metrics(episodes, hosted),
                        token_rewards=token_rewards if any(r for e in episodes for _, r in e.rewards) else None,
                        prompts=[e.prompt for e in episodes] if own_prompts else None)
-
-
-# ---------------------------------------------------------------------------------------
-# What an environment may send: its roles, its sizes, its rewards, checked before the chat template renders them
-
-RESET_ROLES = ("system", "user", "assistant", "tool")  # an episode's first messages: a whole prompt
-STEP_ROLES = ("user", "tool")  # what follows a turn: never a system turn
-CHARS_PER_TOKEN = 32  # more characters a token than any tokenizer's: the bound of a message's text before tokenising
-
-
-def check_messages(messages: list[dict], roles: tuple, room: int, key: str) -> None:
-    """A ValueError in one sentence unless every message's role is one of `roles` (the chat template writes a role
-    with its control tokens live: a role string could forge a turn) and the messages could fit in the `room` tokens left of `key`: at least one token a message and one for
-    every CHARS_PER_TOKEN characters, checked before the template renders and the tokenizer reads them (a 20 MB
-    message is refused here, not tokenised)."""
-    chars = 0
-    for m in messages:
-        if m["role"] not in roles:
-            raise ValueError(f"a message's role is {m['role'][:80]!r}; here it must be one of {', '.join(roles)}")
-        chars += len(m["content"])
-    if len(messages) + chars // CHARS_PER_TOKEN > room:
-        raise ValueError(f"{len(messages)} messages of {chars} characters cannot fit in the {room} tokens left of "
-                         f"{key} (at most {CHARS_PER_TOKEN} characters a token); refused before tokenising")
-
-
-def bounded(reward: float, max_abs_score: float) -> float:
-    """`reward` when it is finite and within ±max_abs_score (reward.max_abs_score), else a ValueError."""
-    if not math.isfinite(reward) or abs(reward) > max_abs_score:
-        raise ValueError(f"the reward {reward:g} is not a finite number within reward.max_abs_score={max_abs_score:g}")
-    return reward
 
 
 def reason(exc: Exception) -> str:

@@ -240,6 +240,18 @@ def test_an_environment_failing_on_every_episode_stops_in_one_sentence(tokenizer
         assert ro.metrics["agent/env_errors_share"] == 0.5
 
 
+def test_a_verifiers_load_environment_returning_something_else_stops_in_one_sentence(tokenizer, tmp_path):
+    """verifiers:<file> whose load_environment() returns 42: the run stops in one sentence naming the key (at
+    start-up, or at the first batch when every episode fails), never trains on first turns alone."""
+    pytest.importorskip("verifiers")
+    (tmp_path / "bad_env.py").write_text("def load_environment():\n    return 42\n")
+    rows = [{**row, "ground_truth": "3", "data_source": "x"} for row in rows_of(tokenizer, [{}] * 2)]
+    with pytest.raises(ConfigError) as e:  # RewardError, the batch's, is a ConfigError too
+        generate(multi_turn(tokenizer, f"rollout.multi_turn.env=verifiers:{tmp_path}/bad_env.py"), rows)
+    assert "rollout.multi_turn.env" in str(e.value) and "\n" not in str(e.value)
+    assert "int" in str(e.value)  # what load_environment returned
+
+
 def test_a_tool_failing_on_every_call_stops_in_one_sentence(tokenizer, files):
     """Every tool call that ran in a batch failing stops the rollout naming the tools and the first error; one
     call answering beside it is a console line, counted in agent/tool_errors_mean."""
