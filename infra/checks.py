@@ -80,11 +80,11 @@ def check_combinations(cfg) -> None:
         raise ConfigError("trainer.rollback_baseline=pretrained compares each validation with the one before "
                           "training: set trainer.rollback_tolerance and trainer.val_before_train=true")
     sources = reward_sources(cfg.reward)
-    if all(weight == 0 for _, weight in sources) and not ro.multi_turn.env:
+    if all(weight == 0 for _, weight in sources) and not (ro.multi_turn.env or alg.teacher.path):
         raise ConfigError(f"reward.weights={[w for _, w in sources]} weigh every one of reward.sources="
                           f"{[name for name, _ in sources]} by 0, so every score is 0 and training would learn "
                           f"nothing; give a source a weight other than 0 (only an environment's own rewards, "
-                          f"rollout.multi_turn.env, can stand alone)")
+                          f"rollout.multi_turn.env, or a teacher, algorithm.teacher.path, can stand alone)")
 
 
 def lower_is_better(t) -> bool:

@@ -291,8 +291,9 @@ def test_a_trl_get_reward_that_is_not_a_number_is_one_sentence_naming_the_enviro
 
 def test_start_up_refuses_a_zero_timeout_an_unbounded_val_n_and_weights_that_leave_nothing_to_learn():
     """rollout.multi_turn.env_timeout_s=0 (every episode would time out), rollout.val_n above 1024, and every
-    reward source weighted 0 without an environment paying rewards are refused by the config checks ppo.py runs
-    before any model loads; weights of 0 beside an environment are accepted (its rewards are the signal)."""
+    reward source weighted 0 without an environment paying rewards or a teacher are refused by the config checks
+    ppo.py runs before any model loads; weights of 0 beside an environment or a teacher are accepted (theirs is
+    the signal)."""
     from infra.checks import check_combinations
     from infra.cli import load_config
     for override, sentence in [("rollout.multi_turn.env_timeout_s=0", "`rollout.multi_turn.env_timeout_s` must be in "
@@ -303,8 +304,8 @@ def test_start_up_refuses_a_zero_timeout_an_unbounded_val_n_and_weights_that_lea
     with pytest.raises(ConfigError) as e:
         check_combinations(load_config(None, ["reward.sources=[rule]", "reward.weights=[0]"]))
     assert str(e.value).startswith("reward.weights=[0.0] weigh every one of reward.sources=['rule'] by 0")
-    check_combinations(load_config(None, ["reward.sources=[rule]", "reward.weights=[0]",
-                                          "rollout.multi_turn.env=examples/guess_number.py:GuessNumber"]))
+    for other in ["rollout.multi_turn.env=examples/guess_number.py:GuessNumber", "algorithm.teacher.path=teacher"]:
+        check_combinations(load_config(None, ["reward.sources=[rule]", "reward.weights=[0]", other]))
 
 
 # ---------------------------------------------------------------------------------------
