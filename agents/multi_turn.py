@@ -249,7 +249,8 @@ class AgentRollout:
                 if isinstance(result, Exception):
                     raise result
                 if result is not None:
-                    check_messages(result.messages, RESET_ROLES, self.s.max_prompt_length, "data.max_prompt_length")
+                    check_messages(result.messages, RESET_ROLES, self.s.max_prompt_length, "data.max_prompt_length",
+                                   result.tools)
                     e.prompt = self.template.prompt(result.messages, result.tools)
                     if len(e.prompt) > self.s.max_prompt_length:
                         raise ValueError(f"reset's prompt is {len(e.prompt)} tokens, more than data.max_prompt_length="
