@@ -150,6 +150,12 @@ def test_a_tool_answer_of_the_users_own_class_reaches_the_model_as_its_text(toke
     """REGRESSION: a tool answering an object of a class its file defines (which the trainer cannot import) killed
     the run with ModuleNotFoundError from unpickling; it is converted to its str() in the call's process, and an
     object whose __str__ raises answers a sentence saying so, the run going on."""
+    alone = tool_rollout(tokenizer, files, ["point"], "<point>x</point>")  # ModuleNotFoundError at dbca6cf
+    try:
+        assert alone.generate(as_rows([chat(tokenizer, question(1, 2))]), 1, 1.0).conversations[0][
+            "tool_results"] == ["Point(1, 2)"]
+    finally:
+        alone.close()
     ro_ = tool_rollout(tokenizer, files, ["point", "unprintable", "echo"],
                        "<point>x</point><unprintable>x</unprintable><echo>a</echo>")
     try:
