@@ -15,7 +15,8 @@ running a call timeout_s after it began (SIGKILL: it needs no cooperation from t
 process group. A worker whose parent is gone (its connection closed, or its parent pid changed) kills its group; a
 child whose worker is gone is killed by the kernel (PR_SET_PDEATHSIG). What leaves the group (setsid, a daemon) is
 still the worker's: a child subreaper, it kills such processes once their parent ends, and every one at close
-(agents/reaping.py). What crosses back is plain values (plain(): a user's own class as its str()).
+(agents/reaping.py). What crosses back is plain values (plain(): a user's own class as its str()), at most
+MAX_RESULT_BYTES of them.
 
 The worker imports the standard library, infra/worker.py, agents/reaping.py and the user's files only: it starts in
 ~0.1 s, and a fork from it takes a few milliseconds.
@@ -33,6 +34,7 @@ import time
 import weakref
 from collections import Counter
 from multiprocessing import Pipe
+from multiprocessing.reduction import ForkingPickler
 from multiprocessing.connection import Connection, wait
 from typing import Optional
 
@@ -153,6 +155,9 @@ def die_with_parent() -> None:
         pass
 
 
+MAX_RESULT_BYTES = 64 << 20  # the most a call sends back (pickled): a 1 GB answer fails in its own process
+
+
 def plain(value, depth: int = 0):
     """`value` as the trainer can unpickle it without the user's files (module docstring): plain types, the
     library's records rebuilt, anything else its str() (a str() that raises: a sentence saying so)."""
@@ -229,7 +234,11 @@ def serve_object(conn: Connection, target, build: bool) -> None:
         except BaseException as e:  # SystemExit too: an error for this call
             reply = (False, f"{type(e).__name__}: {error_text(e)}")
         try:
-            conn.send(reply)
+            data = bytes(ForkingPickler.dumps(reply))  # what conn.send(reply) sends
+            if len(data) > MAX_RESULT_BYTES:
+                data = bytes(ForkingPickler.dumps((False, f"ValueError: the result is {len(data) / 2**20:.0f} MB, more "
+                                                          f"than the {MAX_RESULT_BYTES >> 20} MB a call may send back")))
+            conn.send_bytes(data)
         except Exception as e:  # a result pickle cannot carry
             conn.send((False, f"TypeError: the result cannot be sent back ({type(e).__name__}: {e})"))
 

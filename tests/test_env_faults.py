@@ -37,6 +37,9 @@ def point(text):
 def unprintable(text):
     return Unprintable()
 
+def huge(text):
+    return "x" * 70_000_000
+
 def echo(text):
     return text
 
@@ -149,22 +152,24 @@ def tool_rollout(tokenizer, files, tools, script, max_turns=2):
 def test_a_tool_answer_of_the_users_own_class_reaches_the_model_as_its_text(tokenizer, files):
     """REGRESSION: a tool answering an object of a class its file defines (which the trainer cannot import) killed
     the run with ModuleNotFoundError from unpickling; it is converted to its str() in the call's process, and an
-    object whose __str__ raises answers a sentence saying so, the run going on."""
+    object whose __str__ raises answers a sentence saying so, as does an answer too big to send back (70 MB), the
+    run going on."""
     alone = tool_rollout(tokenizer, files, ["point"], "<point>x</point>")  # ModuleNotFoundError at dbca6cf
     try:
         assert alone.generate(as_rows([chat(tokenizer, question(1, 2))]), 1, 1.0).conversations[0][
             "tool_results"] == ["Point(1, 2)"]
     finally:
         alone.close()
-    ro_ = tool_rollout(tokenizer, files, ["point", "unprintable", "echo"],
-                       "<point>x</point><unprintable>x</unprintable><echo>a</echo>")
+    ro_ = tool_rollout(tokenizer, files, ["point", "unprintable", "huge", "echo"],
+                       "<point>x</point><unprintable>x</unprintable><huge>x</huge><echo>a</echo>")
     try:
         ro = ro_.generate(as_rows([chat(tokenizer, question(1, 2))]), 1, 1.0)
     finally:
         ro_.close()
     results = ro.conversations[0]["tool_results"]
-    assert results[0] == "Point(1, 2)" and results[2] == "a"
+    assert results[0] == "Point(1, 2)" and results[3] == "a"
     assert results[1].startswith("error: ") and "Unprintable" in results[1] and "no text for you" in results[1]
+    assert results[2] == "error: ValueError: the result is 67 MB, more than the 64 MB a call may send back"
 
 
 def alive(pid: int) -> bool:
