@@ -412,31 +412,53 @@ def test_step_rewards_all_dropped_stop_and_each_is_finite_bounded_and_at_most_on
 # ppo.py end to end: never an exit 0 that trained on nothing
 
 
-def test_ppo_with_an_environment_that_cannot_be_built_exits_non_zero_in_one_sentence(tiny_model_dir, files, tmp_path):
-    """ppo.py with an environment whose constructor raises: the first step stops the run with exit code 1 and the
-    one sentence naming rollout.multi_turn.env and the constructor's error, no traceback (it used to train on
-    first turns alone and exit 0)."""
+def ppo_env_run(model_dir, workdir, faults: list[str], env: str, *launch) -> subprocess.CompletedProcess:
+    """ppo.py (launched by `launch`, or in-process python) on rows whose environment fails as `faults` say (data
+    in order: with 2 processes, process 0 gets rows 0-1 of each batch)."""
     import os
     import sys
     import data
     from conftest import REPO
     rows = [{"prompt": question(a, 1), "ground_truth": str(a + 1), "data_source": "x",
-             "extra_info": {"fault": "none"}} for a in range(4)]
-    data.write_parquet(rows, str(tmp_path / "train.parquet"))
-    (tmp_path / "reward.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
-                                        "    return 1.0\n")
-    spec = f"{files}/faults.py:RaisesInInit"
-    proc = subprocess.run(
-        [sys.executable, "ppo.py", "--config", "configs.yaml", f"model.path={tiny_model_dir}",
-         f"data.train_files={tmp_path}/train.parquet", f"data.val_files={tmp_path}/train.parquet",
-         f"reward.function={tmp_path}/reward.py:compute_score",
+             "extra_info": {"fault": fault}} for a, fault in enumerate(faults)]
+    data.write_parquet(rows * 2, str(workdir / "train.parquet"))
+    (workdir / "reward.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
+                                       "    return 1.0\n")
+    return subprocess.run(
+        [*(launch or [sys.executable]), "ppo.py", "--config", "configs.yaml", f"model.path={model_dir}",
+         f"data.train_files={workdir}/train.parquet", f"data.val_files={workdir}/train.parquet",
+         f"reward.function={workdir}/reward.py:compute_score", "data.shuffle=false", "trainer.val_before_train=false",
          "rollout.name=hf", "rollout.max_response_length=16", "data.max_prompt_length=48",
-         "rollout.multi_turn.enable=true", f"rollout.multi_turn.env={spec}", "data.train_batch_size=2", "rollout.n=2",
-         "actor.ppo_mini_batch_size=2", "algorithm.adv_estimator=grpo", "trainer.total_steps=2", "trainer.max_kl=0",
-         "model.dtype=fp32", "trainer.plot_curves=false", f"trainer.output_dir={tmp_path}/out"],
+         "rollout.multi_turn.enable=true", f"rollout.multi_turn.env={env}", "data.train_batch_size=4", "rollout.n=2",
+         "actor.ppo_mini_batch_size=4", "algorithm.adv_estimator=grpo", "trainer.total_steps=2", "trainer.max_kl=0",
+         "model.dtype=fp32", "trainer.plot_curves=false", f"trainer.output_dir={workdir}/out"],
         cwd=REPO, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def test_ppo_with_an_environment_that_cannot_be_built_exits_non_zero_in_one_sentence(tiny_model_dir, files, tmp_path):
+    """ppo.py with an environment whose constructor raises: the first step stops the run with exit code 1 and the
+    one sentence naming rollout.multi_turn.env and the constructor's error, no traceback (it used to train on
+    first turns alone and exit 0)."""
+    spec = f"{files}/faults.py:RaisesInInit"
+    proc = ppo_env_run(tiny_model_dir, tmp_path, ["none"] * 4, spec)
     assert proc.returncode == 1, proc.stderr[-3000:]
-    assert (f"ppo.py: the environment rollout.multi_turn.env={spec} failed on all 4 samples of a batch, so training "
+    assert (f"ppo.py: the environment rollout.multi_turn.env={spec} failed on all 8 samples of a batch, so training "
             f"would learn from first turns alone; the first error: reset: RuntimeError: OSError in the constructor: "
             f"the game server is down") in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.skipif(__import__("sys").platform != "linux", reason="gloo on CPU, as tests/test_fsdp.py")
+def test_an_environment_failing_on_one_of_two_processes_stops_both(tiny_model_dir, files, tmp_path):
+    """2 FSDP2 processes, every episode of process 0's batch failing at reset and process 1's playing: both stop
+    at the same step (process 1 is told by the collective flag, not left waiting), exit non-zero, and the
+    sentence printed is process 0's, with its first error."""
+    import sys
+    from conftest import free_port
+    spec = f"{files}/faults.py:Faulty"
+    proc = ppo_env_run(tiny_model_dir, tmp_path, ["reset", "reset", "none", "none"], spec,
+                       sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                       "accelerate_configs/fsdp2.yaml", "--num_processes", "2", "--main_process_port", str(free_port()))
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    assert (f"ppo.py: the environment rollout.multi_turn.env={spec} failed on all 4 samples of a batch, so training "
+            f"would learn from first turns alone; the first error: reset: RuntimeError: no game today") in proc.stderr
