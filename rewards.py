@@ -144,7 +144,8 @@ class FunctionScorer:
         results = call_reward(self.worker, verl_calls(rows, texts))  # (B,) each a return value or an exception
         scores = rule_scores(*read_scores(results, self.max_abs_score))
         if ro is not None and self.tokenizer is not None:  # step rewards, where the function returns them
-            scores.token_rewards, metrics = load_target(STEP_REWARDS)(self.tokenizer, ro, results)  # (B, Tr)
+            scores.token_rewards, metrics = load_target(STEP_REWARDS)(self.tokenizer, ro, results,  # (B, Tr)
+                                                                      self.max_abs_score)
             scores.metrics.update(metrics)
         return scores
 
@@ -313,14 +314,16 @@ class RewardError(ConfigError):
     """A scorer failed on every sample of a batch: training on would learn from zeros."""
 
 
-def count_failures(what: str, errors: int, total: int, first: Optional[str]) -> None:
-    """A scorer's failed samples (scored 0.0): a warning naming the first error, or, when every sample of the batch
-    failed, RewardError (training on would learn from zeros)."""
+def count_failures(what: str, errors: int, total: int, first: Optional[str], unit: str = "samples",
+                   lost: str = "zeros", kept: str = "scored 0.0") -> None:
+    """A source's failed samples (or calls: `unit`), each `kept` so: a warning naming the first error, or, when every
+    one of the batch failed, RewardError (training on would learn from `lost`). Every source follows it: reward
+    functions and servers, a judge, step rewards (scorers/steps.py), environments and tools (agents/multi_turn.py)."""
     if errors and errors == total:
-        raise RewardError(f"{what} failed on all {errors} samples of a batch, so training would learn from zeros; "
+        raise RewardError(f"{what} failed on all {errors} {unit} of a batch, so training would learn from {lost}; "
                           f"the first error: {first}")
     if errors:
-        warnings.warn(f"{what} failed on {errors}/{total} samples (scored 0.0); first: {first}")
+        warnings.warn(f"{what} failed on {errors}/{total} {unit} ({kept}); first: {first}")
 
 
 # ---- length shaping, the texts scored, and the score on every process

@@ -46,8 +46,11 @@ An episode ends when step says done, after rollout.multi_turn.max_turns assistan
 at EOS (it reached its token budget), or when the messages would leave the model no room within
 rollout.max_response_length; the messages of a step that ends the episode are not written. A reset or step that
 raises, returns something else, takes longer than rollout.multi_turn.env_timeout_s or ends its process ends its
-episode where it is (the turns so far kept, no further reward) and counts in agent/env_errors; it never ends the
-run. A class that cannot be imported or built is refused at start-up in one sentence.
+episode where it is (the turns so far kept, no further reward) and counts in agent/env_errors, with a console line;
+when every episode of a batch fails so, the run stops naming the first error (multi_turn.AgentRollout). A reward
+that is not finite or beyond reward.max_abs_score, a message whose role the step may not send (it sends user and
+tool messages only) and messages too long to fit fail the step alike. A class that cannot be imported is refused at
+start-up in one sentence.
 
 The built-in environment, when rollout.multi_turn.env is empty, is ToolEnvironment (agents/tools.py): the
 tool calls of rollout.multi_turn.tools, each run in a process of its own. A class of TRL's environment_factory

@@ -13,13 +13,18 @@ process group holds it, every process it forks and every process those start. An
 from it, which answers method calls over a pipe; the worker relays calls and answers, and kills a child still
 running a call timeout_s after it began (SIGKILL: it needs no cooperation from the call). close() kills the whole
 process group. A worker whose parent is gone (its connection closed, or its parent pid changed) kills its group; a
-child whose worker is gone is killed by the kernel (PR_SET_PDEATHSIG). A process that leaves the group on purpose
-(setsid) is beyond reach.
+child whose worker is gone is killed by the kernel (PR_SET_PDEATHSIG). What leaves the group (setsid, a daemon) is
+still the worker's: a child subreaper, it kills such processes once their parent ends, and every one at close
+(agents/reaping.py). What crosses back is plain values (plain(): a user's own class as its str()), at most
+MAX_RESULT_BYTES of them.
 
-The worker imports the standard library, infra/worker.py and the user's files only: it starts in ~0.1 s, and a fork
-from it takes a few milliseconds.
+The worker imports the standard library, infra/worker.py, agents/reaping.py and the user's files only: it starts in
+~0.1 s, and a fork from it takes a few milliseconds.
 """
 import ctypes
+import dataclasses
+import math
+import numbers
 import os
 import signal
 import subprocess
@@ -29,11 +34,13 @@ import time
 import weakref
 from collections import Counter
 from multiprocessing import Pipe
+from multiprocessing.reduction import ForkingPickler
 from multiprocessing.connection import Connection, wait
 from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script: infra/ importable
 from infra.worker import CallFailed, GRACE_S, WorkerStartError, import_function  # noqa: E402
+from agents.reaping import become_subreaper, end_everything, end_inherited  # noqa: E402
 
 
 class ObjectHost:
@@ -122,7 +129,13 @@ class ObjectHost:
 
 
 def end_group(proc: subprocess.Popen, conn: Connection) -> None:
+    """Close the connection, which tells the worker to kill every process descended from it and its group; kill the
+    group from here when it has not ended within a few seconds."""
     conn.close()
+    try:
+        proc.wait(timeout=GRACE_S)
+    except subprocess.TimeoutExpired:
+        pass
     try:
         os.killpg(proc.pid, signal.SIGKILL)  # the group is the worker's session: its pid
     except ProcessLookupError:
@@ -140,6 +153,56 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+
+
+MAX_RESULT_BYTES = 64 << 20  # the most a call sends back (pickled): a 1 GB answer fails in its own process
+
+
+def plain(value, depth: int = 0):
+    """`value` as the trainer can unpickle it without the user's files (module docstring): plain types, the
+    library's records rebuilt, anything else its str() (a str() that raises: a sentence saying so)."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        return str.__str__(value)  # a subclass of str: its text
+    if isinstance(value, numbers.Integral):
+        value = int(value)
+        return value if abs(value) < 2 ** 1023 else math.inf if value > 0 else -math.inf  # no OverflowError later
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if depth < 32 and isinstance(value, (list, tuple)):
+        items = [plain(v, depth + 1) for v in value]
+        return items if isinstance(value, list) else tuple(items)
+    if depth < 32 and isinstance(value, dict):
+        return {plain(k, depth + 1) if isinstance(k, (str, numbers.Number)) or k is None else as_text(k):
+                plain(v, depth + 1) for k, v in value.items()}
+    record = library_record(type(value)) if dataclasses.is_dataclass(value) and depth < 32 else None
+    if record is not None:
+        return record(**{f.name: plain(getattr(value, f.name), depth + 1) for f in dataclasses.fields(record)})
+    return as_text(value)
+
+
+def library_record(cls):
+    """The first of cls's bases that is a dataclass of this library (agents/…: Reset, Step), or None."""
+    return next((base for base in cls.__mro__ if base.__module__.startswith("agents.")
+                 and dataclasses.is_dataclass(base)), None)
+
+
+def as_text(value) -> str:
+    """str(value); a TypeError in one sentence when that raises."""
+    try:
+        return str.__str__(str(value))
+    except BaseException as e:
+        raise TypeError(f"the result is a {type(value).__name__} object, whose str() raised "
+                        f"{type(e).__name__}: {error_text(e)}") from None
+
+
+def error_text(e: BaseException) -> str:
+    """str(e), or its type's name when that raises."""
+    try:
+        return str.__str__(str(e))
+    except BaseException:
+        return f"(a {type(e).__name__} whose str() raised)"
 
 
 def serve_object(conn: Connection, target, build: bool) -> None:
@@ -166,11 +229,16 @@ def serve_object(conn: Connection, target, build: bool) -> None:
             if error:
                 raise RuntimeError(error)
             fn = obj if method is None else getattr(obj, method)
-            reply = (True, fn(*args, **kwargs))
+            result = fn(*args, **kwargs)
+            reply = (True, plain(result))
         except BaseException as e:  # SystemExit too: an error for this call
-            reply = (False, f"{type(e).__name__}: {e}")
+            reply = (False, f"{type(e).__name__}: {error_text(e)}")
         try:
-            conn.send(reply)
+            data = bytes(ForkingPickler.dumps(reply))  # what conn.send(reply) sends
+            if len(data) > MAX_RESULT_BYTES:
+                data = bytes(ForkingPickler.dumps((False, f"ValueError: the result is {len(data) / 2**20:.0f} MB, more "
+                                                          f"than the {MAX_RESULT_BYTES >> 20} MB a call may send back")))
+            conn.send_bytes(data)
         except Exception as e:  # a result pickle cannot carry
             conn.send((False, f"TypeError: the result cannot be sent back ({type(e).__name__}: {e})"))
 
@@ -274,7 +342,7 @@ def serve(conn: Connection) -> None:
         return
     conn.send(("ready", checks))
     timeout_s = setup["timeout_s"]
-    relay = Relay(conn, targets, timeout_s)
+    relay, next_reap = Relay(conn, targets, timeout_s), 0.0
     while True:
         by_conn = {c: key for key, (_, c) in relay.children.items()}
         deadlines = [d for _, d in relay.running.values()] + [d for _, d in relay.leaving]
@@ -310,6 +378,9 @@ def serve(conn: Connection) -> None:
                     pass
                 relay.leaving.remove((pid, kill_after))
         relay.dispatch()
+        if now > next_reap:
+            end_inherited({pid for pid, _ in relay.children.values()} | {pid for pid, _ in relay.leaving})
+            next_reap = now + 1.0
 
 
 def child_exit(pid: int) -> str:
@@ -330,13 +401,14 @@ def kill_group_when_orphaned(parent: int) -> None:
     """The run's process is gone (even by SIGKILL): end this whole process group within a second."""
     while os.getppid() == parent:
         time.sleep(1.0)
-    os.killpg(0, signal.SIGKILL)
+    end_everything()
 
 
 if __name__ == "__main__":
     # Ctrl-C and SIGTERM are for the run's process, which decides when the objects end (close()).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    become_subreaper()
     threading.Thread(target=kill_group_when_orphaned, args=(os.getppid(),), daemon=True).start()
     serve(Connection(int(sys.argv[1])))
-    os.killpg(0, signal.SIGKILL)  # the parent closed the connection, or died: nothing of the group outlives it
+    end_everything()  # the parent closed the connection, or died: nothing the worker started outlives it

@@ -25,6 +25,7 @@ it); the tokens after the model's EOS come from the chat template rendered aroun
 them alone and, for Qwen, inserts the newline between turns by a model-specific builder).
 """
 import json
+import math
 import random
 import re
 from collections import defaultdict
@@ -34,10 +35,12 @@ from typing import Callable, Optional, Union
 import torch
 
 from agents.environments import HostedEnvironment, ToolTemplate
+from agents.limits import bounded, check_messages, RESET_ROLES, STEP_ROLES
 from agents.tools import MethodEnvironment, ToolEnvironment
 from infra.config import ConfigError
 from infra.worker import CallFailed
 from infra.rollout_common import right_pad, Rollout
+from rewards import count_failures, RewardError
 
 # ---------------------------------------------------------------------------------------
 # Tool calls, as the model writes them
@@ -133,6 +136,8 @@ class Episode:
     malformed: int = 0  # calls written that could not
     tool_errors: int = 0  # calls that ran and raised or timed out
     tool_rounds: int = 0  # turns answered by messages (one or more)
+    calls_run: int = 0  # tool calls that ran (well-formed, within max_calls_per_turn, not the final turn's)
+    failed_calls: list[str] = field(default_factory=list)  # the answers of those that failed
 
     def record(self, hosted: bool) -> dict:
         """What rewards.py adds to extra_info; with an environment of the user's (hosted), its rewards, infos and
@@ -152,6 +157,8 @@ class TurnSettings:
     max_length: int  # rollout.max_response_length: the whole row
     max_prompt_length: int  # data.max_prompt_length: an environment's first messages
     environment: object  # environments.HostedEnvironment, or tools.py's ToolEnvironment, MethodEnvironment
+    max_abs_score: float = math.inf  # reward.max_abs_score: the bound of every step's reward
+    source: str = "rollout.multi_turn"  # what a failure names: the environment's or the tools' key and value
 
     def metric_names(self) -> list[str]:
         """The agent/* names a rollout logs (validation logs them as val/agent/*)."""
@@ -208,7 +215,30 @@ class AgentRollout:
                 self.add_turns(waiting, out)
         finally:
             env.end()
+        self.stop_when_all_failed(episodes)
         return self.rollout(episodes, first.logprobs is not None, prompts, n)
+
+    def stop_when_all_failed(self, episodes: list[Episode]) -> None:
+        """rewards.count_failures' rule for the environment (episodes whose reset or step failed) and the tools
+        (calls that ran and failed): all of a batch failed, on any process → RewardError on every process (training on
+        would learn from first turns alone); some → a console line, counted in agent/env_errors_share and
+        agent/tool_errors_mean."""
+        env, checks = self.s.environment, []
+        if env.hosted:
+            errors = [e.error for e in episodes if e.error]
+            checks.append((self.s.source, len(errors), len(episodes), errors[:1], "samples"))
+        if env.counts_tools:
+            failed = [answer for e in episodes for answer in e.failed_calls]
+            checks.append((f"the tools of {self.s.source}", len(failed), sum(e.calls_run for e in episodes),
+                           failed[:1], "tool calls"))
+        all_failed = any(errors and errors == total for _, errors, total, _, _ in checks)
+        elsewhere = self.reduce_max(int(all_failed) - 1) == 0  # 0: some process's batch all failed; −1: none did
+        for what, errors, total, first, unit in checks:
+            count_failures(what, errors, total, first[0] if first else None, unit, "first turns alone",
+                           "its episode ended there" if unit == "samples" else "the model read the error")
+        if elsewhere:
+            raise RewardError(f"{self.s.source}: every episode or tool call of another process's batch failed, so "
+                              f"training would learn from first turns alone (that process names the first error)")
 
     def reset(self, episodes: list[Episode], rows: list[dict]) -> None:
         """Each episode's first messages, from its environment's reset: its prompt ids unless it keeps the row's.
@@ -219,6 +249,8 @@ class AgentRollout:
                 if isinstance(result, Exception):
                     raise result
                 if result is not None:
+                    check_messages(result.messages, RESET_ROLES, self.s.max_prompt_length, "data.max_prompt_length",
+                                   result.tools)
                     e.prompt = self.template.prompt(result.messages, result.tools)
                     if len(e.prompt) > self.s.max_prompt_length:
                         raise ValueError(f"reset's prompt is {len(e.prompt)} tokens, more than data.max_prompt_length="
@@ -247,13 +279,17 @@ class AgentRollout:
             try:
                 if isinstance(step, Exception):
                     raise step
-                e.rewards.append((max(len(e.tokens) - 1, 0), step.reward))
+                e.rewards.append((max(len(e.tokens) - 1, 0), bounded(step.reward, self.s.max_abs_score)))
                 e.infos.append(step.info)
                 if self.s.environment.counts_tools:  # a tool environment's counts (agent/* metrics)
                     e.well_formed += step.info["well_formed"]
                     e.malformed += step.info["malformed"]
+                    e.calls_run += step.info.get("calls_run", 0)
+                    e.failed_calls += step.info.get("failed_calls", [])
                 if end or step.done or not step.messages:
                     continue
+                check_messages(step.messages, STEP_ROLES, self.s.max_length - len(e.tokens),
+                               "rollout.max_response_length")
                 ids = self.template.tokens(step.messages)
             except Exception as exc:
                 e.error = f"step: {reason(exc)}"
@@ -320,7 +356,8 @@ def agent_metrics(episodes: list[Episode], hosted: bool) -> dict:
         for e in episodes:
             last = {}  # each key's value at the episode's last step that gave it: where the episode ended
             for info in e.infos:
-                last.update({key: float(v) for key, v in info.items() if isinstance(v, (int, float))})  # bool too
+                last.update({key: float(v) for key, v in info.items()  # bool too; ±inf (a huge int) left out
+                             if isinstance(v, (int, float)) and math.isfinite(v)})
             for key, value in last.items():
                 numbers[f"env/{key}"].append(value)
         metrics.update({key: mean(values) for key, values in numbers.items()})
@@ -352,4 +389,6 @@ def check_multi_turn(cfg, tokenizer) -> TurnSettings:
         if environment.trl:  # TRL's environment_factory class: its methods are the tools
             environment = MethodEnvironment(environment, PARSERS[m.format], m.max_tool_response_length,
                                             m.max_calls_per_turn)
-    return TurnSettings(m.max_turns, cfg.rollout.max_response_length, cfg.data.max_prompt_length, environment)
+    source = f"rollout.multi_turn.tools={m.tools}" if m.tools else f"the environment rollout.multi_turn.env={m.env}"
+    return TurnSettings(m.max_turns, cfg.rollout.max_response_length, cfg.data.max_prompt_length, environment,
+                        cfg.reward.max_abs_score, source)

@@ -3,6 +3,8 @@ environment_factory classes (rollout.multi_turn.env=path.py:Class, whose public 
 agents/environments.py's contract, batched as multi_turn.AgentRollout drives it; the calls are read by the format's parser
 (multi_turn.PARSERS) and every call runs in a process (agents/episodes.py), killed after its timeout.
 """
+import math
+import numbers
 import os
 from dataclasses import dataclass, replace
 
@@ -95,11 +97,12 @@ class ToolEnvironment:
                 steps.append(Step([], done=True, info=info))
                 continue
             answers = [(call, next(results)) for call in next(ran)]
+            failed = [f"{c.name}: {r.text}" for c, r in answers if not r.ok and c.error is None]
             steps.append(Step([{"role": "tool", "name": c.name, "content": r.text} for c, r in answers],
                               done=not answers, info={**info, "tool_calls": [
                                   {"name": c.name, "arguments": c.arguments, "error": c.error} for c, _ in answers],
-                                  "tool_results": [r.text for _, r in answers],
-                                  "tool_errors": sum(not r.ok and c.error is None for c, r in answers)}))
+                                  "tool_results": [r.text for _, r in answers], "tool_errors": len(failed),
+                                  "calls_run": sum(c.error is None for c, _ in answers), "failed_calls": failed}))
         return steps
 
     def run(self, calls: list, episodes: list[int]) -> list[ToolResult]:
@@ -111,6 +114,15 @@ class ToolEnvironment:
 
     def close(self) -> None:
         self.host.close()
+
+
+def as_reward(value) -> float:
+    """get_reward()'s value as a finite float, or a TypeError / ValueError saying what it returned."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"get_reward() returned {type(value).__name__} {repr(value)[:80]}, not a number")
+    if not math.isfinite(value):
+        raise ValueError(f"get_reward() returned {value}, not a finite number")
+    return float(value)
 
 
 class MethodEnvironment(ToolEnvironment):
@@ -145,7 +157,10 @@ class MethodEnvironment(ToolEnvironment):
         if self.rewarded and done:
             rewards = self.host.call_all([(self.env.keys[episodes[k]], "get_reward", ()) for k in done])
             for k, reward in zip(done, rewards):
-                steps[k] = reward if isinstance(reward, Exception) else replace(steps[k], reward=float(reward))
+                try:
+                    steps[k] = reward if isinstance(reward, Exception) else replace(steps[k], reward=as_reward(reward))
+                except (TypeError, ValueError) as e:
+                    steps[k] = e
         return steps
 
     def end(self) -> None:

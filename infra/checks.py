@@ -79,6 +79,12 @@ def check_combinations(cfg) -> None:
     if t.rollback_baseline == "pretrained" and (t.rollback_tolerance is None or not t.val_before_train):
         raise ConfigError("trainer.rollback_baseline=pretrained compares each validation with the one before "
                           "training: set trainer.rollback_tolerance and trainer.val_before_train=true")
+    sources = reward_sources(cfg.reward)
+    if all(weight == 0 for _, weight in sources) and not (ro.multi_turn.env or alg.teacher.path):
+        raise ConfigError(f"reward.weights={[w for _, w in sources]} weigh every one of reward.sources="
+                          f"{[name for name, _ in sources]} by 0, so every score is 0 and training would learn "
+                          f"nothing; give a source a weight other than 0 (only an environment's own rewards, "
+                          f"rollout.multi_turn.env, or a teacher, algorithm.teacher.path, can stand alone)")
 
 
 def lower_is_better(t) -> bool:

@@ -166,7 +166,8 @@ class RolloutConfig:
     """temperature for validation (0 = greedy)"""
     val_n: int = 1
     """samples per validation prompt (verl's val_kwargs.n); above 1 (with val_temperature > 0) validation logs
-    mean@k, unbiased pass@k and, where the rule names its answer, maj@k per data_source (Scorer.validation_metrics)"""
+    mean@k, unbiased pass@k and, where the rule names its answer, maj@k per data_source (Scorer.validation_metrics);
+    at most 1024"""
     gpu_memory_utilization: float = 0.2
     """vLLM's memory share for weights and KV cache (on CPU, a share of host RAM)"""
     enforce_eager: bool = True
@@ -353,12 +354,13 @@ def write_error(e: BaseException) -> str:
 # The range of every number, by field name (a name means the same thing in every section). Any number not
 # listed must be ≥ 0. Every number must be finite; a list (betas) is checked element by element.
 RANGES = {
-    "[1, inf)": "n val_n max_num_gen_batches train_batch_size max_prompt_length max_response_length micro_batch_size "
+    "[1, 1024]": "val_n",
+    "[1, inf)": "n max_num_gen_batches train_batch_size max_prompt_length max_response_length micro_batch_size "
                 "ppo_epochs ppo_mini_batch_size ppo_micro_batch_size_per_device log_prob_micro_batch_size_per_device "
                 "max_token_len_per_device horizon total_steps max_kl_window batch_size micro_batch_size_per_device "
                 "max_length lora_alpha max_turns max_tool_response_length max_tokens max_concurrency",
     "(0, inf)": "beta lr target_kl max_grad_norm rollout_is_threshold rollout_rs_threshold clip timeout_s tool_timeout_s "
-                "max_abs_score",
+                "env_timeout_s max_abs_score",
     "(0, 1]": "top_p gpu_memory_utilization",
     "[0, 1)": "lora_dropout betas",
     "[0, 0.5)": "label_smoothing",

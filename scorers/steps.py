@@ -2,6 +2,11 @@
 [c_1, …], the character offsets in solution_str where each step ends; r_k then lands on the response token whose text
 holds character c_k − 1, as a process reward model's would. rewards.FunctionScorer reads them from its function's
 results through its STEP_REWARDS line; ppo.py's step 5 adds them to the score at the last token.
+
+Each reward must be a finite number within ±reward.max_abs_score, and a sample has at most as many steps as the
+text it rewards has tokens (checked before any token is decoded); a sample whose steps break a rule has none, and
+rewards.count_failures' rule holds: every sample that returned steps failing → the run stops naming the first error;
+some → a console line, counted in reward/step_errors.
 """
 import math
 import numbers
@@ -9,33 +14,53 @@ from typing import Optional
 
 import torch
 
+from rewards import count_failures
 
-def step_rewards(tokenizer, ro, results: list) -> tuple[torch.Tensor, dict]:
+
+def step_rewards(tokenizer, ro, results: list, max_abs_score: float = math.inf) -> tuple[torch.Tensor, dict]:
     """(token rewards (B, Tr), metrics) from a reward function's raw results, one per response of the rollout `ro`:
     each result's steps (read_steps) at their tokens (step_token_rewards); a result whose steps do not read has none,
-    and counts in reward/step_errors."""
-    steps, bad = [], 0
-    for result in results:
+    and counts in reward/step_errors (count_failures: all of those that returned steps → RewardError)."""
+    steps, bad, first = [], 0, None
+    lengths = last_turn(ro.response_mask).sum(1).tolist()  # (B,) the tokens of the text each reward read
+    for result, length in zip(results, lengths):
         try:
-            steps.append(read_steps(result))
-        except ValueError:
+            steps.append(read_steps(result, max(1, int(length)), max_abs_score))
+        except ValueError as e:
             steps.append(None)
-            bad += 1
+            bad, first = bad + 1, first or str(e)
+    tried = sum(isinstance(r, dict) and "step_rewards" in r for r in results)
+    count_failures("the reward function's step rewards", bad, tried, first, lost="their scores alone",
+                   kept="those samples have none")
     return step_token_rewards(tokenizer, ro, steps), {  # (B, Tr)
         "reward/step_errors": float(bad), "reward/step_samples": float(sum(s is not None for s in steps))}
 
 
-def read_steps(result) -> Optional[list]:
+def read_steps(result, max_steps: int, max_abs_score: float = math.inf) -> Optional[list]:
     """A reward function's step rewards as [(offset, reward), …], or None when it returned none; a ValueError when
-    "step_rewards" and "step_ends" are not two lists of numbers of one length."""
+    "step_rewards" and "step_ends" are not two lists of finite numbers of one length, hold more than max_steps (the
+    tokens of the text rewarded), or a reward beyond ±max_abs_score (reward.max_abs_score)."""
     if not isinstance(result, dict) or "step_rewards" not in result:
         return None
     rewards, ends = result["step_rewards"], result.get("step_ends")
+    if isinstance(rewards, list) and len(rewards) > max_steps:
+        raise ValueError(f"{len(rewards)} step_rewards for a text of {max_steps} tokens: at most one a token")
     if not (isinstance(rewards, list) and isinstance(ends, list) and len(rewards) == len(ends)) or not all(
-            isinstance(x, numbers.Real) and math.isfinite(x) for x in rewards + ends):
+            isinstance(x, numbers.Real) and finite(x) for x in rewards + ends):
         raise ValueError(f"step_rewards and step_ends must be two lists of finite numbers of one length, got "
-                         f"{rewards!r} and {ends!r}")
+                         f"{str(rewards)[:200]} and {str(ends)[:200]}")
+    beyond = next((r for r in rewards if abs(r) > max_abs_score), None)
+    if beyond is not None:
+        raise ValueError(f"a step reward is {beyond:g}, beyond reward.max_abs_score={max_abs_score:g}")
     return [(int(end), float(reward)) for end, reward in zip(ends, rewards)]
+
+
+def finite(x: numbers.Real) -> bool:
+    """Is x a finite float (10**400 is not: float() cannot hold it)?"""
+    try:
+        return math.isfinite(float(x))
+    except OverflowError:
+        return False
 
 
 def step_token_rewards(tokenizer, ro, steps: list) -> torch.Tensor:
