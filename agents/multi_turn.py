@@ -35,6 +35,7 @@ import torch
 
 from agents.environments import HostedEnvironment, ToolTemplate
 from agents.tools import MethodEnvironment, ToolEnvironment
+from infra.cli import warn0
 from infra.config import ConfigError
 from infra.worker import CallFailed
 from infra.rollout_common import right_pad, Rollout
@@ -348,8 +349,22 @@ def check_multi_turn(cfg, tokenizer) -> TurnSettings:
         environment = ToolEnvironment(m.tools, PARSERS[m.format], m.tool_timeout_s, m.max_tool_response_length,
                                       m.max_calls_per_turn)
     else:
-        environment = HostedEnvironment(m.env, m.env_timeout_s)
-        if environment.trl:  # TRL's environment_factory class: its methods are the tools
+        environment = HostedEnvironment(m.env, m.env_timeout_s, m.env_column)
+        if environment.trl:  # TRL's environment_factory: its methods are the tools
             environment = MethodEnvironment(environment, PARSERS[m.format], m.max_tool_response_length,
                                             m.max_calls_per_turn)
+            warn_unshown_tools(tokenizer, environment.schemas)
     return TurnSettings(m.max_turns, cfg.rollout.max_response_length, cfg.data.max_prompt_length, environment)
+
+
+def warn_unshown_tools(tokenizer, schemas) -> None:
+    """At start-up: a warning when the chat template writes the same prompt with the tools' schemas as without them
+    (it ignores `tools`), so the model would not be shown them: the prompts must then describe the tools."""
+    if not schemas:
+        return
+    messages = [{"role": "user", "content": "u"}]
+    if (tokenizer.apply_chat_template(messages, tools=schemas, tokenize=False, add_generation_prompt=True)
+            == tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)):
+        warn0(f"rollout.multi_turn.env: the tokenizer's chat template ignores tool schemas, so the prompts will not "
+              f"show the model the tools {', '.join(s['function']['name'] for s in schemas)}; describe them in the "
+              f"prompts or use a template that renders `tools` (model.tokenizer_path)")
