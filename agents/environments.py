@@ -52,6 +52,8 @@ run. A class that cannot be imported or built is refused at start-up in one sent
 The built-in environment, when rollout.multi_turn.env is empty, is ToolEnvironment (agents/tools.py): the
 tool calls of rollout.multi_turn.tools, each run in a process of its own. A class of TRL's environment_factory
 (reset(**row), public methods, get_reward(); no step) has its methods called as the tools there (MethodEnvironment).
+Other libraries' environments as their users write them (TRL's factories, SkyRL-Gym's BaseTextEnv, a dict of them
+routed by a column): agents/peers.py.
 """
 import os
 import re
