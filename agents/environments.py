@@ -213,6 +213,7 @@ class HostedEnvironment:
     each turn, end(). A call that fails is returned as the exception (CallFailed, TypeError, …): it ends that
     episode only. The worker is started again at the next reset when it was lost."""
     hosted = True  # the user's code: every call runs in the episode's process
+    finished = []  # what tools.MethodEnvironment keeps of TRL's environments; none here
     counts_tools = False  # its infos are its own (ToolEnvironment's hold the calls, for agent/*)
 
     def __init__(self, spec: str, timeout_s: float, column: str = MultiTurnConfig.env_column):

@@ -34,6 +34,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from agents.environments import HostedEnvironment, ToolTemplate
+from agents.peers import route_of
 from agents.tools import MethodEnvironment, ToolEnvironment
 from infra.cli import warn0
 from infra.config import ConfigError
@@ -285,6 +286,8 @@ class AgentRollout:
                 token_rewards[i, position] += reward
         own_prompts = any(e.prompt is not prompts[e.index // n] for e in episodes)
         records = [e.record(hosted) for e in episodes]
+        for e, record in zip(episodes, records) if self.s.environment.finished else ():
+            record["environment"] = self.s.environment.finished[e.index]  # TRL's: its attributes as it ended
         if own_prompts:
             for e, record in zip(episodes, records):
                 record["prompt_text"] = self.tokenizer.decode(e.prompt)
@@ -332,10 +335,10 @@ def agent_metrics(episodes: list[Episode], hosted: bool) -> dict:
 # What rollout.py calls
 
 
-def check_multi_turn(cfg, tokenizer) -> TurnSettings:
+def check_multi_turn(cfg, tokenizer, rows=()) -> TurnSettings:
     """Before any model loads, with rollout.multi_turn on: the environment's class (or the tools) imported in its
-    worker process and checked, the chat template able to write messages. The settings hold the started environment
-    (closed by AgentRollout.close)."""
+    worker process and checked, the chat template able to write messages, each data row named by a dict of
+    environments. The settings hold the started environment (closed by AgentRollout.close)."""
     m = cfg.rollout.multi_turn
     if bool(m.tools) == bool(m.env):
         raise ConfigError("rollout.multi_turn.enable=true needs tools (rollout.multi_turn.tools=[path/to/file.py:fn]) "
@@ -350,6 +353,12 @@ def check_multi_turn(cfg, tokenizer) -> TurnSettings:
                                       m.max_calls_per_turn)
     else:
         environment = HostedEnvironment(m.env, m.env_timeout_s, m.env_column)
+        for i, row in enumerate(rows):  # a dict of environments: every row's column names one
+            try:
+                route_of(row, environment.routes, m.env_column, m.env)
+            except ValueError as e:
+                environment.close()
+                raise ConfigError(f"data row {i} (train files, then val): {e}") from None
         if environment.trl:  # TRL's environment_factory: its methods are the tools
             environment = MethodEnvironment(environment, PARSERS[m.format], m.max_tool_response_length,
                                             m.max_calls_per_turn)

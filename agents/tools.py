@@ -61,6 +61,7 @@ class ToolEnvironment:
     turn run, the rest are answered with an error, so that one turn's tool work is bounded. A final turn's calls are
     counted but not run."""
     hosted = False  # the library's own code: it runs here, its tools in their processes
+    finished = []  # TRL's environments as the episodes left them (MethodEnvironment.end)
     counts_tools = True  # its infos hold the calls: agent/* metrics and the record's tool_calls, tool_results
 
     def __init__(self, specs: list[str], parse, timeout_s: float, max_chars: int, max_calls: int):
@@ -152,6 +153,12 @@ class MethodEnvironment(ToolEnvironment):
         return steps
 
     def end(self) -> None:
+        """The episodes' instances leave; first each one's attributes (vars, as it ended) are kept in self.finished,
+        by episode, for the reward to read (TRL hands them to reward functions as environments=): None for one whose
+        state cannot be sent back."""
+        keys = self.env.keys
+        states = self.host.call_all([(key, "__getstate__", ()) for key in keys]) if keys and self.host.alive() else []
+        self.finished = [state if isinstance(state, dict) else None for state in states]
         self.env.end()
 
     def close(self) -> None:

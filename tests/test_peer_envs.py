@@ -167,6 +167,44 @@ def test_a_row_that_the_dict_does_not_name_fails_its_episode_in_one_sentence(tmp
     assert "'function', 'lambda', 'partial', 'class'" in str(results[0]) and results[1] is None
 
 
+def test_rows_that_the_dict_does_not_name_stop_the_run_before_any_model_loads(model, tmp_path):
+    """ppo.py with a dict of environments and a row whose env_class names none of them: one sentence naming the row,
+    its value and the dict's names, before any model loads (else every such episode would fail at its reset)."""
+    (tmp_path / "trl_env.py").write_text(TRL_ENV)
+    rows = [{"prompt": "Count.", "env_class": name, "target": 1, "max_tokens": 0} for name in ("lambda", "wordle")]
+    proc = run_ppo(model, rows, f"{tmp_path}/trl_env.py:ENVS", tmp_path, turns=2)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert ("data row 1 (train files, then val): the row's env_class is 'wordle', which rollout.multi_turn.env="
+            in proc.stdout + proc.stderr), proc.stdout[-1000:] + proc.stderr[-1000:]
+
+
+def test_trl_environments_as_they_ended_are_on_each_samples_record(tmp_path):
+    """The tools are CounterEnv's methods, called on the episode's own instance; after the episode, the instance's
+    attributes as it ended are on the sample's conversation record (what TRL hands reward functions as
+    environments=), beside get_reward()'s reward at the last turn."""
+    from agents.multi_turn import AgentRollout, check_multi_turn
+    from infra.cli import load_config
+    from infra.distributed import max_over_processes
+    from test_agent import chat, question, ScriptedBackend
+    (tmp_path / "trl_env.py").write_text(TRL_ENV)
+    tokenizer = make_tokenizer()
+    cfg = load_config(None, ["rollout.multi_turn.enable=true", f"rollout.multi_turn.env={tmp_path}/trl_env.py:CounterEnv",
+                             "rollout.multi_turn.max_turns=3", "rollout.max_response_length=400"])
+    calls = ['<tool_call>{"name": "increment", "arguments": {"step": 2}}</tool_call>', "done"]
+    reply = lambda context, j: calls[context.count("<|im_start|>tool")]  # noqa: E731
+    rollout = AgentRollout(ScriptedBackend(tokenizer, reply), tokenizer, check_multi_turn(cfg, tokenizer),
+                           max_over_processes)
+    rows = [{"prompt_ids": chat(tokenizer, question(1, 2)), "prompt": question(1, 2),
+             "columns": {"prompt": question(1, 2), "target": t, "max_tokens": 0}} for t in (2, 5)]
+    try:
+        ro = rollout.generate(rows, 1, 1.0)
+    finally:
+        rollout.close()
+    assert [c["environment"] for c in ro.conversations] == [
+        {"scale": 1.0, "counter": 2, "target": 2, "budget": 0}, {"scale": 1.0, "counter": 2, "target": 5, "budget": 0}]
+    assert [c["rewards"][-1] for c in ro.conversations] == [0.0, -3.0]
+
+
 def test_skyrl_gym_environments_run_on_skyrls_rows(model, tmp_path):
     """SkyRL-Gym's BaseTextEnv (the real skyrl-gym) on SkyRL's rows (prompt, env_class, reward_spec.ground_truth,
     extra_info; no data_source): built as MultiplyEnv(env_config, extras) with the row as the extras, init(prompt)
