@@ -217,12 +217,15 @@ class HostedEnvironment:
     counts_tools = False  # its infos are its own (ToolEnvironment's hold the calls, for agent/*)
 
     def __init__(self, spec: str, timeout_s: float, column: str = MultiTurnConfig.env_column):
+        here = os.path.dirname(os.path.abspath(__file__))
         if spec.startswith("verifiers:"):  # the short name of agents/verifiers.py:<target>
-            here = os.path.dirname(os.path.abspath(__file__))
             spec = os.path.join(here, "verifiers.py") + spec.removeprefix("verifiers")  # …py:<target>
+        elif spec.startswith("verifiers.v1:"):  # verifiers 0.4's tasksets: agents/verifiers_v1.py:<taskset id>
+            spec = os.path.join(here, "verifiers_v1.py") + spec.removeprefix("verifiers.v1")
         path, _, name = spec.rpartition(":")
         if not path or not name:
-            raise ConfigError(f"rollout.multi_turn.env: {spec!r} must be path/to/file.py:Class or verifiers:<target>")
+            raise ConfigError(f"rollout.multi_turn.env: {spec!r} must be path/to/file.py:Class, verifiers:<target> or "
+                              f"verifiers.v1:<taskset id>")
         if not os.path.isfile(path):
             raise ConfigError(f"rollout.multi_turn.env: file {path} does not exist (in {spec!r})")
         self.spec, self.column = spec, column

@@ -222,6 +222,63 @@ def test_skyrl_gym_environments_run_on_skyrls_rows(model, tmp_path):
     assert step["env/turns"] == 1.0
 
 
+# verifiers 0.4's taskset, written as verifiers.v1's Taskset docstring writes one: TaskData fields, a Task whose
+# @reward methods declare what they read (task, trace), a Taskset whose load() yields the tasks; exported in __all__.
+V1_TASKSET = '''
+import verifiers.v1 as vf
+
+__all__ = ["AddOneTaskset"]
+
+
+class AddOneData(vf.TaskData):
+    answer: str
+
+
+class AddOneTask(vf.Task[AddOneData]):
+    @vf.reward
+    async def exact(self, task, trace) -> float:
+        return float(trace.last_reply == task.answer)
+
+    @vf.reward(weight=0.25)
+    async def replied(self, trace) -> float:
+        return float(trace.num_turns == 1 and len(trace.messages) == 3)  # system, user, the model's reply
+
+
+class AddOneTaskset(vf.Taskset[AddOneTask]):
+    def load(self):
+        for i in range(6):
+            data = AddOneData(prompt=f"What is {i} + 1?", system_prompt="Answer with the number.", answer=str(i + 1001))
+            yield AddOneTask(data, self.config.task)
+'''
+VERIFIERS_V1 = [line for line in open(f"{REPO}/requirements-verifiers-v1.txt").read().splitlines()
+                if line and not line.startswith("#")]
+
+
+def test_verifiers_0_4_tasksets_run_with_their_rewards(model, tmp_path):
+    """verifiers 0.4.0 (the real package, installed --no-deps beside this library's openai and mcp pins, as
+    requirements-verifiers-v1.txt says): prepare_data writes the taskset's tasks as rows, ppo.py runs one step with
+    rollout.multi_turn.env=verifiers.v1:<taskset id>, each episode scored by the task's own @reward functions on the
+    trace of its reply: replied·0.25 (the trace holds the system prompt, the prompt and the reply), exact 0 (the
+    answers are past 1000), so the step's reward is 0.25, the environment's."""
+    root = pip_install(*VERIFIERS_V1)
+    (tmp_path / "add_one_v1.py").write_text(V1_TASKSET)
+    pythonpath = f"{root}:{tmp_path}"
+    import os
+    env = {**os.environ, "PYTHONPATH": pythonpath + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    prep = subprocess.run([sys.executable, "tools/prepare_data.py", "--task", "verifiers.v1:add_one_v1", "--val-size",
+                           "2", "--output", str(tmp_path / "data")], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert prep.returncode == 0, prep.stdout[-2000:] + prep.stderr[-3000:]
+    from data import read_parquet
+    rows = read_parquet(str(tmp_path / "data" / "train.parquet"), ["prompt"]).to_pylist()
+    assert len(rows) == 4 and rows[1]["prompt"] == [{"role": "system", "content": "Answer with the number."},
+                                                    {"role": "user", "content": "What is 1 + 1?"}]
+    proc = run_ppo(model, rows[:2], "verifiers.v1:add_one_v1", tmp_path, turns=1, pythonpath=pythonpath)
+    step = one_step(proc, tmp_path)
+    assert step["reward/mean"] == pytest.approx(0.25) == step["agent/env_return_mean"]
+    assert step["env/replied"] == 1.0 and step["env/exact"] == 0.0
+
+
 def test_a_template_that_renders_tools_shows_them_without_a_warning(capsys, tmp_path):
     """The start-up check speaks only where the template drops the schemas: one that renders `tools` is silent."""
     from agents.multi_turn import warn_unshown_tools
