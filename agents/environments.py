@@ -237,7 +237,7 @@ class HostedEnvironment:
 
     def start(self) -> ObjectHost:
         try:
-            return ObjectHost(self.target, self.timeout_s, check=(peers.__file__, "describe"))
+            return ObjectHost(self.target, self.timeout_s, check=(os.path.abspath(peers.__file__), "describe"))
         except WorkerStartError as e:
             raise ConfigError(f"rollout.multi_turn.env: {e}") from None
 
@@ -249,12 +249,12 @@ class HostedEnvironment:
         if not self.host.alive():
             self.host = self.start()
         self.routes_now = [checked(peers.route_of, row, self.routes, self.column, self.spec) for row in rows]
-        firsts = [(None, None) if isinstance(route, Exception) else peers.first_call(self.contract, row, route)
-                  for row, route in zip(rows, self.routes_now)]
-        self.keys = self.host.open("env", len(rows), [build or (next(iter(self.routes)), (), {})
-                                                       for build, _ in firsts])
-        ok = [k for k, (_, call) in enumerate(firsts) if call is not None]
-        results = dict(zip(ok, self.host.call_all([(self.keys[k], *firsts[k][1]) for k in ok])))
+        routed = [k for k, route in enumerate(self.routes_now) if not isinstance(route, Exception)]
+        firsts = {k: peers.first_call(self.contract, rows[k], self.routes_now[k]) for k in routed}  # (build, call)
+        never_called = (next(iter(self.routes)), (), {})  # the object of a row that no environment is named by
+        self.keys = self.host.open("env", len(rows), [firsts[k][0] if k in firsts else never_called
+                                                       for k in range(len(rows))])
+        results = dict(zip(routed, self.host.call_all([(self.keys[k], *firsts[k][1]) for k in routed])))
         return [checked(as_reset, results[k], row) if k in results else self.routes_now[k]
                 for k, row in enumerate(rows)]
 
