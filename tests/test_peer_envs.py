@@ -1,9 +1,10 @@
 """Other libraries' environments drop in as their users write them (agents/peers.py), each through one real step
 of ppo.py on the tiny model, its rows as that library stores them (no data_source, no ground truth that nothing
 reads): TRL's environment_factory class; TRL's factories that are a function, a lambda and a functools.partial, in
-a dict routed by a column; SkyRL-Gym's BaseTextEnv (the real package, installed here with conftest.pip_install).
-In each, every episode ran without an environment error and the reward is the environment's, a value the
-environment computed from the row's own columns, so a column that did not arrive fails the test."""
+a dict routed by a column; SkyRL-Gym's BaseTextEnv and verifiers 0.4's tasksets (the real packages, installed here
+with conftest.pip_install). In each, every episode ran without an environment error and the reward is the
+environment's, a value the environment computed from the row's own columns (or its task's data), so a column that
+did not arrive fails the test."""
 import subprocess
 import sys
 
