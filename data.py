@@ -63,10 +63,11 @@ def missing_ground_truth(gt):
     return None
 
 
-def check_ground_truth(row: dict, where: str, rule_of) -> None:
-    """A row whose data_source is scored by a rule that compares with the ground truth (rule_of(data_source): the
-    rule's name, or None) must have one; else a DataError naming the row and the rule."""
-    rule = rule_of(row.get("data_source") or "unknown") if rule_of else None
+def check_ground_truth(row: dict, where: str, rule_of, default_source: str = "unknown") -> None:
+    """A row whose data_source (default_source where it has none) is scored by a rule that compares with the ground
+    truth (rule_of(data_source): the rule's name, or None) must have one; else a DataError naming the row and the
+    rule."""
+    rule = rule_of(row.get("data_source") or default_source) if rule_of else None
     problem = rule and missing_ground_truth(raw_ground_truth(row))
     if problem:
         raise DataError(f"{where}the ground truth is {problem}, but data_source {row.get('data_source')!r} is scored "
@@ -93,9 +94,10 @@ def tokenize_prompts(texts: list[str], tokenizer) -> list[list[int]]:
 
 
 def load_rl_dataset(path: str, tokenizer, max_prompt_length: int, truncation: str,
-                    rule_of=None) -> tuple[list[dict], dict]:
+                    rule_of=None, default_source: str = "unknown") -> tuple[list[dict], dict]:
     """Read RL prompts (ours or verl's layout) and tokenize them; returns (rows, stats). `rule_of(data_source)`: the
-    name of the rule that will compare its responses with the ground truth, or None (check_ground_truth).
+    name of the rule that will compare its responses with the ground truth, or None (check_ground_truth);
+    default_source: the data_source of a row without one ("environment" where an environment scores the rows).
 
     rows: {"prompt_ids", "prompt_text", "ground_truth", "data_source", "extra_info", "prompt" (as stored, for a
     reward model that renders it with its own template), "columns" (every column of the stored row, as stored: what
@@ -110,7 +112,7 @@ def load_rl_dataset(path: str, tokenizer, max_prompt_length: int, truncation: st
     raw, texts = table.to_pylist(), []
     for i, row in enumerate(raw):
         check_prompt(row["prompt"], f"{path} row {i}: ")
-        check_ground_truth(row, f"{path} row {i}: ", rule_of)
+        check_ground_truth(row, f"{path} row {i}: ", rule_of, default_source)
         if not isinstance(row["prompt"], str) and tokenizer.chat_template is None:
             raise DataError(f"{path} row {i}: the prompt is a list of chat messages but the tokenizer has no "
                             f"chat_template; use a tokenizer with one (model.tokenizer_path) or store prompts as text")
@@ -130,7 +132,7 @@ def load_rl_dataset(path: str, tokenizer, max_prompt_length: int, truncation: st
             ids, truncated = ids[-max_prompt_length:], truncated + 1
             text = tokenizer.decode(ids, skip_special_tokens=False)
         rows.append({"prompt_ids": ids, "prompt_text": text, "ground_truth": ground_truth_of(row),
-                     "data_source": row.get("data_source") or "unknown", "extra_info": row.get("extra_info") or {},
+                     "data_source": row.get("data_source") or default_source, "extra_info": row.get("extra_info") or {},
                      "prompt": row["prompt"], "columns": row})
     if not rows:
         raise DataError(f"{path}: all {len(raw)} prompts are longer than data.max_prompt_length={max_prompt_length} "
@@ -138,15 +140,15 @@ def load_rl_dataset(path: str, tokenizer, max_prompt_length: int, truncation: st
     return rows, {"rows": len(raw), "kept": len(rows), "truncated": truncated, "filtered": filtered}
 
 
-def load_prompts(cfg_data, tokenizer, print0, rule_of=None) -> tuple[list, list]:
+def load_prompts(cfg_data, tokenizer, print0, rule_of=None, default_source: str = "unknown") -> tuple[list, list]:
     """Training and validation prompts, tokenised once (load_rl_dataset), with their counts printed."""
     train_rows, stats = load_rl_dataset(cfg_data.train_files, tokenizer, cfg_data.max_prompt_length,
-                                        cfg_data.truncation, rule_of)
+                                        cfg_data.truncation, rule_of, default_source)
     print0(f"train prompts: {stats}")
     val_rows = []
     if cfg_data.val_files:
         val_rows, stats = load_rl_dataset(cfg_data.val_files, tokenizer, cfg_data.max_prompt_length,
-                                          cfg_data.truncation, rule_of)
+                                          cfg_data.truncation, rule_of, default_source)
         val_rows = val_rows[:cfg_data.val_max_samples or None]
         print0(f"val prompts: {stats}, using {len(val_rows)}")
     return train_rows, val_rows

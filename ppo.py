@@ -329,11 +329,12 @@ def check_inputs(cfg, num_processes: int, print0=print) -> Inputs:
     check_loggers(cfg.trainer.logger, "trainer.logger")
     fsdp_from_launcher()
     tokenizer = policy_tokenizer(cfg.model)
-    train_rows, val_rows = load_prompts(cfg.data, tokenizer, print0,
-                                        rule_of=functools.partial(rule_needing_truth, cfg_reward=cfg.reward))
+    train_rows, val_rows = load_prompts(cfg.data, tokenizer, print0,  # with an environment, rows need no data_source
+                                        rule_of=functools.partial(rule_needing_truth, cfg_reward=cfg.reward),
+                                        default_source="environment" if cfg.rollout.multi_turn.env else "unknown")
     sizes = check_sizes(cfg, num_processes, len(train_rows))
     check_data_sources({r["data_source"] for r in train_rows + val_rows}, cfg.reward)  # each has a rule
-    turns = check_turns(cfg, tokenizer)  # multi-turn: the environment or tools start, the template fits; or None
+    turns = check_turns(cfg, tokenizer, train_rows + val_rows)  # multi-turn: the environment starts, fits; or None
     references = reference_text(cfg, val_rows, tokenizer)  # val/perplexity's text (data.val_reference)
     check_best_metric(cfg, {r["data_source"] for r in val_rows}, turns.metric_names() if turns else (), references)
     print0(describe_guards(cfg) + "\nval/perplexity: " + references.source)

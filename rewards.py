@@ -30,7 +30,7 @@ from infra.config import ConfigError, load_target
 from infra.rollout_common import add_token_rewards, cut_off, Samples, with_conversations
 from infra.runs import Interrupted
 from infra.worker import CallFailed, FunctionWorker, Pool, WorkerStartError
-from reward_rules.routing import default_compute_score, KNOWN, rule_for, without_rule
+from reward_rules.routing import default_compute_score, environment_score, KNOWN, rule_for, without_rule
 
 # ---- what every scorer returns, and what it is built with
 
@@ -197,7 +197,9 @@ def rule_needing_truth(data_source, cfg_reward):
     if "rule" not in dict(reward_sources(cfg_reward)):
         return None
     rule = rule_for(data_source)
-    return None if rule is None else f"{rule.__module__.split('.')[-1]}.{rule.__name__}"
+    if rule is None or rule is environment_score:  # the environment scores its rows: no truth is compared
+        return None
+    return f"{rule.__module__.split('.')[-1]}.{rule.__name__}"
 
 
 # ---- a reward function, called as verl calls it

@@ -271,10 +271,10 @@ def rollout_is_level(cfg) -> str:
     return "token" if cfg.rollout.steps_ahead else "off"
 
 
-def check_turns(cfg, tokenizer):
-    """Before any model loads, with rollout.multi_turn on: its environment started and checked (MULTI_TURN), the
-    settings that make_rollout's turns need; None without multi-turn."""
-    return load_target(MULTI_TURN["check"])(cfg, tokenizer) if cfg.rollout.multi_turn.enable else None
+def check_turns(cfg, tokenizer, rows=()):
+    """Before any model loads, with rollout.multi_turn on: its environment started and checked (MULTI_TURN) against
+    the data rows, the settings that make_rollout's turns need; None without multi-turn."""
+    return load_target(MULTI_TURN["check"])(cfg, tokenizer, rows) if cfg.rollout.multi_turn.enable else None
 
 
 def make_rollout(cfg, model, tokenizer, accelerator, autocast_dtype=None, synced_forwards: bool = False, turns=None):

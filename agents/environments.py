@@ -55,14 +55,17 @@ start-up in one sentence.
 The built-in environment, when rollout.multi_turn.env is empty, is ToolEnvironment (agents/tools.py): the
 tool calls of rollout.multi_turn.tools, each run in a process of its own. A class of TRL's environment_factory
 (reset(**row), public methods, get_reward(); no step) has its methods called as the tools there (MethodEnvironment).
+Other libraries' environments as their users write them (TRL's factories, SkyRL-Gym's BaseTextEnv, a dict of them
+routed by a column): agents/peers.py.
 """
-import inspect
 import os
 import re
 from dataclasses import dataclass, field
 from typing import Optional
 
-from infra.config import ConfigError
+from infra.config import ConfigError, MultiTurnConfig
+from agents import peers
+from agents.peers import check_environment_class  # noqa: F401 (the check of ours and TRL's classes)
 from agents.episodes import ObjectHost
 from infra.worker import WorkerStartError
 
@@ -131,37 +134,6 @@ def as_step(result) -> Step:
     if not isinstance(result.info, dict):
         raise TypeError(f"Step.info must be a dict, got {type(result.info).__name__}")
     return Step(as_messages(result.messages, "Step.messages"), reward, bool(result.done), dict(result.info))
-
-
-def check_environment_class(cls, spec: str) -> Optional[dict]:
-    """A ValueError in one sentence unless `cls` is a class built without arguments with callable reset and step, or
-    a class of TRL's environment_factory (reset, no step, public methods: the tools); for the latter, its tools
-    {"tools": [names], "schemas": JSON schemas or None, "get_reward": bool}, None for the former."""
-    if not inspect.isclass(cls):
-        raise ValueError(f"{spec} is a {type(cls).__name__}, not a class")
-    methods = [name for name, fn in inspect.getmembers(cls, callable) if not name.startswith("_")
-               and name not in ("reset", "step", "get_reward", "close")]
-    trl = callable(getattr(cls, "reset", None)) and not hasattr(cls, "step") and methods
-    missing = [name for name in ("reset", "step") if not callable(getattr(cls, name, None))]
-    if missing and not trl:
-        raise ValueError(f"{spec} has no method {' or '.join(missing)}: an environment needs reset(row) and step(text)")
-    try:
-        signature = inspect.signature(cls)
-    except (TypeError, ValueError):
-        signature = None  # a class implemented in C: built and seen at the first reset
-    required = [p.name for p in signature.parameters.values() if p.default is p.empty and p.kind in (
-        p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)] if signature else []
-    if required:
-        raise ValueError(f"{spec}'s constructor needs {', '.join(required)}; an environment is built with no "
-                         f"arguments (reset(row) gets the row)")
-    if not trl:
-        return None
-    try:  # as TRL shows them to the chat template (transformers reads each method's docstring)
-        from transformers.utils import get_json_schema
-        schemas = [get_json_schema(getattr(cls, name)) for name in methods]
-    except Exception:
-        schemas = None  # the prompt must then describe the tools
-    return {"tools": methods, "schemas": schemas, "get_reward": callable(getattr(cls, "get_reward", None))}
 
 
 # ---------------------------------------------------------------------------------------
@@ -238,43 +210,56 @@ class ToolTemplate:
 
 
 class HostedEnvironment:
-    """A user's environment class (rollout.multi_turn.env), one instance per episode, each in a process of its own
+    """A user's environment (rollout.multi_turn.env: a class or factory of one of agents/peers.py's contracts, or a
+    dict of them routed by the row's `column`), one instance per episode, each in a process of its own
     (agents/episodes.py); multi_turn.AgentRollout drives it, a batch of episodes at a time: reset(rows), step(…) after
     each turn, end(). A call that fails is returned as the exception (CallFailed, TypeError, …): it ends that
     episode only. The worker is started again at the next reset when it was lost."""
     hosted = True  # the user's code: every call runs in the episode's process
+    finished = []  # what tools.MethodEnvironment keeps of TRL's environments; none here
     counts_tools = False  # its infos are its own (ToolEnvironment's hold the calls, for agent/*)
 
-    def __init__(self, spec: str, timeout_s: float):
+    def __init__(self, spec: str, timeout_s: float, column: str = MultiTurnConfig.env_column):
+        here = os.path.dirname(os.path.abspath(__file__))
         if spec.startswith("verifiers:"):  # the short name of agents/verifiers.py:<target>
-            here = os.path.dirname(os.path.abspath(__file__))
             spec = os.path.join(here, "verifiers.py") + spec.removeprefix("verifiers")  # …py:<target>
+        elif spec.startswith("verifiers.v1:"):  # verifiers 0.4's tasksets: agents/verifiers_v1.py:<taskset id>
+            spec = os.path.join(here, "verifiers_v1.py") + spec.removeprefix("verifiers.v1")
         path, _, name = spec.rpartition(":")
         if not path or not name:
-            raise ConfigError(f"rollout.multi_turn.env: {spec!r} must be path/to/file.py:Class or verifiers:<target>")
+            raise ConfigError(f"rollout.multi_turn.env: {spec!r} must be path/to/file.py:Class, verifiers:<target> or "
+                              f"verifiers.v1:<taskset id>")
         if not os.path.isfile(path):
             raise ConfigError(f"rollout.multi_turn.env: file {path} does not exist (in {spec!r})")
-        self.target, self.timeout_s, self.keys = {"env": (path, name)}, timeout_s, []
+        self.spec, self.column = spec, column
+        self.target, self.timeout_s, self.keys, self.routes_now = {"env": (path, name)}, timeout_s, [], []
         self.host = self.start()
-        self.trl = self.host.checks["env"]  # TRL's environment_factory class: its tools (agents/tools.py)
+        self.routes = self.host.checks["env"]  # {route: its contract and tools} (agents/peers.py)
+        self.contract = next(iter(self.routes.values()))["contract"]
+        self.trl = peers.tools_by_route(self.routes)  # TRL's environment_factory: its tools (agents/tools.py)
 
     def start(self) -> ObjectHost:
         try:
-            return ObjectHost(self.target, self.timeout_s, check=(os.path.abspath(__file__), "check_environment_class"))
+            return ObjectHost(self.target, self.timeout_s, check=(os.path.abspath(peers.__file__), "describe"))
         except WorkerStartError as e:
             raise ConfigError(f"rollout.multi_turn.env: {e}") from None
 
-    def reset(self, rows: list[dict], keywords: bool = False) -> list:
-        """A new instance per row, reset on it (reset(row), or as TRL calls it, reset(**row)): each a Reset, None
-        (the row's own prompt) or the exception."""
+    def reset(self, rows: list[dict]) -> list:
+        """A new instance per row, built and reset as its contract says (agents/peers.py: reset(row), TRL's
+        reset(**columns), SkyRL's Class(env_config, extras) then init(prompt)): each a Reset, None (the row's own
+        prompt) or the exception (a row that no environment of a dict is named by included)."""
         self.end()
         if not self.host.alive():
             self.host = self.start()
-        self.keys = self.host.open("env", len(rows))
-        columns = [{k: v for k, v in row.items() if k not in ("prompt_ids", "prompt_text")} for row in rows]
-        results = self.host.call_all([(key, "reset", (), row) if keywords else (key, "reset", (row,))
-                                      for key, row in zip(self.keys, columns if keywords else rows)])
-        return [checked(as_reset, result, row) for result, row in zip(results, rows)]
+        self.routes_now = [checked(peers.route_of, row, self.routes, self.column, self.spec) for row in rows]
+        routed = [k for k, route in enumerate(self.routes_now) if not isinstance(route, Exception)]
+        firsts = {k: peers.first_call(self.contract, rows[k], self.routes_now[k]) for k in routed}  # (build, call)
+        never_called = (next(iter(self.routes)), (), {})  # the object of a row that no environment is named by
+        self.keys = self.host.open("env", len(rows), [firsts[k][0] if k in firsts else never_called
+                                                       for k in range(len(rows))])
+        results = dict(zip(routed, self.host.call_all([(self.keys[k], *firsts[k][1]) for k in routed])))
+        return [checked(as_reset, results[k], row) if k in results else self.routes_now[k]
+                for k, row in enumerate(rows)]
 
     def step(self, episodes: list[int], texts: list[str], final: list[bool]) -> list:
         """Each episode's step on its new turn (`final` does not change what is asked): a Step or the exception."""

@@ -77,12 +77,14 @@ class ObjectHost:
             pass
         return None
 
-    def open(self, label: str, count: int) -> list[int]:
+    def open(self, label: str, count: int, builds: Optional[list[tuple]] = None) -> list[int]:
         """`count` new objects of `label` (a class: built with no arguments; a function: itself), each in its own
-        process; their keys. A constructor that fails makes every call of that object fail with its error."""
+        process; their keys. builds: per object (route, args, kwargs): built as target[route](*args, **kwargs)
+        (route None: target itself; a dict of environments has one per key). A constructor that fails makes every
+        call of that object fail with its error."""
         keys = list(range(self.next_key, self.next_key + count))
         self.next_key += count
-        self.send([("open", key, label) for key in keys])
+        self.send([("open", key, label, build) for key, build in zip(keys, builds or [(None, (), {})] * count)])
         return keys
 
     def call_all(self, calls: list[tuple]) -> list:
@@ -205,10 +207,12 @@ def error_text(e: BaseException) -> str:
         return f"(a {type(e).__name__} whose str() raised)"
 
 
-def serve_object(conn: Connection, target, build: bool) -> None:
-    """In the forked child: build the object, then answer (method, args, kwargs) until the worker says end."""
+def serve_object(conn: Connection, target, build: bool, route, args: tuple, kwargs: dict) -> None:
+    """In the forked child: build the object (target[route](*args, **kwargs); route None: target(…)), then answer
+    (method, args, kwargs) until the worker says end."""
     try:
-        obj, error = (target() if build else target), None
+        factory = target if route is None else target[route]
+        obj, error = (factory(*args, **kwargs) if build else target), None
     except BaseException as e:
         obj, error = None, f"{type(e).__name__} in the constructor: {e}"
     while True:
@@ -253,7 +257,7 @@ class Relay:
         self.running = {}  # key → (call id, deadline) of the call the child is running
         self.leaving = []  # (pid, kill after) of the children told to end
 
-    def fork(self, key: int, label: str) -> None:
+    def fork(self, key: int, label: str, build: tuple) -> None:
         mine, theirs = Pipe()
         pid = os.fork()
         if pid == 0:  # the child: keep only its own pipe
@@ -264,9 +268,9 @@ class Relay:
                 conn.close()
             for sig in (signal.SIGTERM, signal.SIGINT):  # the run's, as the worker's (Slurm signals every process);
                 signal.signal(sig, lambda *_: None)  # a handler, not SIG_IGN: what the object execs gets the defaults
-            target, build = self.targets[label]
+            target, built = self.targets[label]
             try:
-                serve_object(theirs, target, build)
+                serve_object(theirs, target, built, *build)
             finally:
                 os._exit(0)
         theirs.close()
@@ -304,7 +308,7 @@ class Relay:
     def handle(self, messages: list) -> None:
         for message in messages:
             if message[0] == "open":
-                self.fork(message[1], message[2])
+                self.fork(message[1], message[2], message[3])
             elif message[0] == "call":
                 _, call_id, key, method, args, kwargs = message
                 if key in self.children:
@@ -330,7 +334,7 @@ def serve(conn: Connection) -> None:
     targets, checks = {}, {}
     try:
         for label, (path, name) in setup["targets"].items():
-            target = import_function(path, name)
+            target = import_function(path, name, dicts=setup["check"] is not None)  # a dict of environments too
             if setup["check"]:
                 try:
                     checks[label] = import_function(*setup["check"])(target, f"{path}:{name}")

@@ -36,7 +36,9 @@ import torch
 
 from agents.environments import HostedEnvironment, ToolTemplate
 from agents.limits import bounded, check_messages, RESET_ROLES, STEP_ROLES
+from agents.peers import route_of
 from agents.tools import MethodEnvironment, ToolEnvironment
+from infra.cli import warn0
 from infra.config import ConfigError
 from infra.worker import CallFailed
 from infra.rollout_common import right_pad, Rollout
@@ -320,6 +322,8 @@ class AgentRollout:
                 token_rewards[i, position] += reward
         own_prompts = any(e.prompt is not prompts[e.index // n] for e in episodes)
         records = [e.record(hosted) for e in episodes]
+        for e, record in zip(episodes, records) if self.s.environment.finished else ():
+            record["environment"] = self.s.environment.finished[e.index]  # TRL's: its attributes as it ended
         if own_prompts:
             for e, record in zip(episodes, records):
                 record["prompt_text"] = self.tokenizer.decode(e.prompt)
@@ -368,10 +372,10 @@ def agent_metrics(episodes: list[Episode], hosted: bool) -> dict:
 # What rollout.py calls
 
 
-def check_multi_turn(cfg, tokenizer) -> TurnSettings:
+def check_multi_turn(cfg, tokenizer, rows=()) -> TurnSettings:
     """Before any model loads, with rollout.multi_turn on: the environment's class (or the tools) imported in its
-    worker process and checked, the chat template able to write messages. The settings hold the started environment
-    (closed by AgentRollout.close)."""
+    worker process and checked, the chat template able to write messages, each data row named by a dict of
+    environments. The settings hold the started environment (closed by AgentRollout.close)."""
     m = cfg.rollout.multi_turn
     if bool(m.tools) == bool(m.env):
         raise ConfigError("rollout.multi_turn.enable=true needs tools (rollout.multi_turn.tools=[path/to/file.py:fn]) "
@@ -385,10 +389,30 @@ def check_multi_turn(cfg, tokenizer) -> TurnSettings:
         environment = ToolEnvironment(m.tools, PARSERS[m.format], m.tool_timeout_s, m.max_tool_response_length,
                                       m.max_calls_per_turn)
     else:
-        environment = HostedEnvironment(m.env, m.env_timeout_s)
-        if environment.trl:  # TRL's environment_factory class: its methods are the tools
+        environment = HostedEnvironment(m.env, m.env_timeout_s, m.env_column)
+        for i, row in enumerate(rows):  # a dict of environments: every row's column names one
+            try:
+                route_of(row, environment.routes, m.env_column, m.env)
+            except ValueError as e:
+                environment.close()
+                raise ConfigError(f"data row {i} (train files, then val): {e}") from None
+        if environment.trl:  # TRL's environment_factory: its methods are the tools
             environment = MethodEnvironment(environment, PARSERS[m.format], m.max_tool_response_length,
                                             m.max_calls_per_turn)
+            warn_unshown_tools(tokenizer, environment.schemas)
     source = f"rollout.multi_turn.tools={m.tools}" if m.tools else f"the environment rollout.multi_turn.env={m.env}"
     return TurnSettings(m.max_turns, cfg.rollout.max_response_length, cfg.data.max_prompt_length, environment,
                         cfg.reward.max_abs_score, source)
+
+
+def warn_unshown_tools(tokenizer, schemas) -> None:
+    """At start-up: a warning when the chat template writes the same prompt with the tools' schemas as without them
+    (it ignores `tools`), so the model would not be shown them: the prompts must then describe the tools."""
+    if not schemas:
+        return
+    messages = [{"role": "user", "content": "u"}]
+    if (tokenizer.apply_chat_template(messages, tools=schemas, tokenize=False, add_generation_prompt=True)
+            == tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)):
+        warn0(f"rollout.multi_turn.env: the tokenizer's chat template ignores tool schemas, so the prompts will not "
+              f"show the model the tools {', '.join(s['function']['name'] for s in schemas)}; describe them in the "
+              f"prompts or use a template that renders `tools` (model.tokenizer_path)")

@@ -63,6 +63,7 @@ class ToolEnvironment:
     turn run, the rest are answered with an error, so that one turn's tool work is bounded. A final turn's calls are
     counted but not run."""
     hosted = False  # the library's own code: it runs here, its tools in their processes
+    finished = []  # TRL's environments as the episodes left them (MethodEnvironment.end)
     counts_tools = True  # its infos hold the calls: agent/* metrics and the record's tool_calls, tool_results
 
     def __init__(self, specs: list[str], parse, timeout_s: float, max_chars: int, max_calls: int):
@@ -126,35 +127,38 @@ def as_reward(value) -> float:
 
 
 class MethodEnvironment(ToolEnvironment):
-    """A class of TRL's environment_factory: one instance per episode in its process (HostedEnvironment), reset as
-    TRL calls it, reset(**row) (None, or a str appended to the last user message); its public methods are the tools,
-    called on the episode's own instance, and shown to the chat template as TRL shows them (their JSON schemas, where
-    transformers can read their docstrings); a turn that calls none ends the episode, paid get_reward() if the class
-    has it."""
+    """TRL's environment_factory (a class, or any factory of one; a dict of them routed by a column: agents/peers.py):
+    one instance per episode in its process (HostedEnvironment), reset as TRL calls it, reset(**columns) (None, or a
+    str appended to the last user message); its public methods are the tools, called on the episode's own instance,
+    and shown to the chat template as TRL shows them (their JSON schemas, where transformers can read their
+    docstrings); a turn that calls none ends the episode, paid get_reward() if the class has it."""
     hosted = True
 
     def __init__(self, env: HostedEnvironment, parse, max_chars: int, max_calls: int):
         self.env, self.host, self.parse, self.max_chars, self.max_calls = env, env.host, parse, max_chars, max_calls
-        self.names, self.schemas, self.rewarded = set(env.trl["tools"]), env.trl["schemas"], env.trl["get_reward"]
+        self.names = set().union(*(names for names, _, _ in env.trl.values()))
+        self.by_route = env.trl  # {route: (tool names, schemas or None, has get_reward)}
+        self.schemas = [s for _, schemas, _ in env.trl.values() for s in schemas or []]  # every route's
 
     def start(self) -> ObjectHost:
         return self.host  # lost mid-batch: its calls fail, and the next reset starts a new one
 
     def reset(self, rows: list[dict]) -> list:
-        resets = self.env.reset(rows, keywords=True)
+        resets = self.env.reset(rows)
         self.host = self.env.host
-        if not self.schemas:
-            return resets
-        return [r if isinstance(r, Exception) else Reset((r or Reset(as_messages(row["prompt"], "the row's prompt")))
-                                                         .messages, self.schemas) for r, row in zip(resets, rows)]
+        schemas = [None if isinstance(route, Exception) else self.by_route[route][1] for route in self.env.routes_now]
+        return [r if isinstance(r, Exception) or not tools else
+                Reset((r or Reset(as_messages(row["prompt"], "the row's prompt"))).messages, tools)
+                for r, row, tools in zip(resets, rows, schemas)]
 
     def run(self, calls: list, episodes: list[int]) -> list[ToolResult]:
         return run_tools(calls, self.host, self.max_chars, owners=[self.env.keys[i] for i in episodes])
 
     def step(self, episodes: list[int], texts: list[str], final: list[bool]) -> list[Step]:
         steps = super().step(episodes, texts, final)
-        done = [k for k, step in enumerate(steps) if step.done]
-        if self.rewarded and done:
+        routes = self.env.routes_now
+        done = [k for k, step in enumerate(steps) if step.done and self.by_route[routes[episodes[k]]][2]]
+        if done:
             rewards = self.host.call_all([(self.env.keys[episodes[k]], "get_reward", ()) for k in done])
             for k, reward in zip(done, rewards):
                 try:
@@ -164,6 +168,12 @@ class MethodEnvironment(ToolEnvironment):
         return steps
 
     def end(self) -> None:
+        """The episodes' instances leave; first each one's attributes (vars, as it ended) are kept in self.finished,
+        by episode, for the reward to read (TRL hands them to reward functions as environments=): None for one whose
+        state cannot be sent back."""
+        keys = self.env.keys
+        states = self.host.call_all([(key, "__getstate__", ()) for key in keys]) if keys and self.host.alive() else []
+        self.finished = [state if isinstance(state, dict) else None for state in states]
         self.env.end()
 
     def close(self) -> None:

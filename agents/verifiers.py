@@ -30,7 +30,7 @@ Not here: group rubrics (score_group: this library's episodes are one sample eac
 them from the OpenAI server's parsed tool_calls; here a turn is its text).
 
 Pinned at verifiers 0.3.1 (requirements-verifiers.txt): 0.4.0 replaced SingleTurnEnv, MultiTurnEnv and Rubric with
-its v1 stack (Taskset, Harness), configured and served quite differently.
+its v1 stack (Taskset, Harness), configured and served quite differently; its tasksets: agents/verifiers_v1.py.
 """
 import asyncio
 import copy

@@ -93,9 +93,13 @@ class MultiTurnConfig:
     """most assistant turns per response; a turn ends at EOS, and the environment answers it before the next"""
     env: str = ""
     """an environment, path/to/file.py:Class (agents/environments.py has the contract: reset(row) gives the first messages,
-    step(text) the next ones, a reward at the turn's last token and done), or verifiers:<path/to/env.py or module>,
-    a verifiers environment (agents/verifiers.py); one instance per sample, each in a process of its own.
-    Empty: the built-in environment that runs `tools`"""
+    step(text) the next ones, a reward at the turn's last token and done; TRL's environment_factory and SkyRL-Gym's
+    BaseTextEnv are recognised by their shape, a factory function or a dict of them too: agents/peers.py), or
+    verifiers:<path/to/env.py or module>, a verifiers environment (agents/verifiers.py); one instance per sample,
+    each in a process of its own. Empty: the built-in environment that runs `tools`"""
+    env_column: str = "env_class"
+    """where env names a dict of environments ({name: class or factory}, agents/peers.py), the rows' column whose
+    value picks each row's (SkyRL-Gym's env_class)"""
     env_timeout_s: float = 30.0
     """seconds an environment's reset or step may take; a slower one, or one that raises or ends its process, ends
     its sample's episode there (counted in agent/env_errors_share), never the run"""

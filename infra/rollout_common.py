@@ -20,7 +20,8 @@ class Rollout:
     logprobs: Optional[torch.Tensor] = None  # (B·n, Tr)
     attention_mask: Optional[torch.Tensor] = None  # (B·n, Tr) 1 = any real token, tool answers included; None: as
     #                                                response_mask (one turn)
-    conversations: Optional[list[dict]] = None  # per row: turns, tool_calls, tool_results, num_turns (agents/multi_turn.py)
+    conversations: Optional[list[dict]] = None  # per row: turns, tool_calls, tool_results, num_turns (agents/multi_turn.py);
+    #                                            environment: a TRL environment's attributes as it ended (agents/tools.py)
     metrics: dict = field(default_factory=dict)  # agent/* (agents/multi_turn.py)
     token_rewards: Optional[torch.Tensor] = None  # (B·n, Tr) an environment's reward of each turn at its last token
     #                                               (agents/multi_turn.py), added to the scorers' (rewards.score_samples); None: none

@@ -286,9 +286,10 @@ class CallTimeout(BaseException):
     it."""
 
 
-def import_function(path: str, name: str):
+def import_function(path: str, name: str, dicts: bool = False):
     """The function `name` of the file at `path` (name defaults to compute_score upstream, as in verl), its module
-    registered in sys.modules so that pickle finds what it defines; WorkerStartError saying what is wrong."""
+    registered in sys.modules so that pickle finds what it defines; WorkerStartError saying what is wrong. dicts: a
+    dict is accepted too (a dict of environments, agents/peers.py)."""
     module_name = "custom_reward_" + re.sub(r"\W", "_", os.path.splitext(os.path.abspath(path))[0])
     spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)
@@ -298,7 +299,7 @@ def import_function(path: str, name: str):
     except BaseException as e:  # SystemExit at import too
         raise WorkerStartError(f"importing {path} failed: {type(e).__name__}: {e}") from None
     fn = getattr(module, name, None)
-    if not callable(fn):
+    if not callable(fn) and not (dicts and isinstance(fn, dict)):
         found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
         raise WorkerStartError(f"{path} has no function `{name}`; callables found there: {found}")
     return fn

@@ -213,15 +213,16 @@ def test_failing_hanging_exiting_and_malformed_environments_cost_their_sample(to
 @pytest.mark.parametrize("spec, sentence", [
     ("{files}/none.py:Counter", "rollout.multi_turn.env: file {files}/none.py does not exist"),
     ("{files}/envs.py:Missing", "rollout.multi_turn.env: {files}/envs.py has no function `Missing`"),
-    ("{files}/envs.py:not_a_class", "rollout.multi_turn.env: {files}/envs.py:not_a_class is a function, not a class"),
+    ("{files}/envs.py:not_a_class", "rollout.multi_turn.env: {files}/envs.py:not_a_class() returned NoneType 'None', "
+                                    "not an environment"),
     ("{files}/envs.py:NoStep", "rollout.multi_turn.env: {files}/envs.py:NoStep has no method step"),
     ("{files}/envs.py:NeedsArguments", "rollout.multi_turn.env: {files}/envs.py:NeedsArguments's constructor needs "
                                        "size"),
     ("{files}/tools.py", "rollout.multi_turn.env: '{files}/tools.py' must be path/to/file.py:Class"),
 ])
 def test_a_bad_environment_is_refused_at_start_up_in_one_sentence(files, spec, sentence):
-    """check_multi_turn (which ppo.py runs before any model loads) refuses a missing file or class, a function, a
-    class without step, one whose constructor needs arguments, in one sentence naming the key."""
+    """check_multi_turn (which ppo.py runs before any model loads) refuses a missing file or class, a function that
+    builds no environment (a factory is called once to see what it builds: agents/peers.py), a class without step, one whose constructor needs arguments, in one sentence naming the key."""
     from agents.multi_turn import check_multi_turn
     from infra.cli import load_config
     cfg = load_config(None, ["rollout.multi_turn.enable=true", f"rollout.multi_turn.env={spec.format(files=files)}"])

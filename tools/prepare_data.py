@@ -11,7 +11,8 @@
 3}'`: its keyword arguments), about --val-size of them in val.parquet, split by question (no val question is in
 train.parquet); the rule reasoning_gym/* scores them with the task's own score_answer (reward_rules/).
 `--task verifiers:<path/to/env.py or module>` writes a verifiers environment's dataset (train) and eval dataset (val),
-for rollout.multi_turn.env=verifiers:<the same> (agents/verifiers.py).
+for rollout.multi_turn.env=verifiers:<the same> (agents/verifiers.py); `--task verifiers.v1:<taskset id>` a verifiers
+0.4 taskset's tasks (the last --val-size in val), for rollout.multi_turn.env=verifiers.v1:<the same> (agents/verifiers_v1.py).
 
 `--output` is always a folder: train.parquet and val.parquet are written inside it.
 `--input` converts a jsonl file; the kind of row is detected from the first line's keys:
@@ -212,11 +213,25 @@ def verifiers_split(target: str) -> tuple[list[dict], list[dict]]:
         raise DataError(f"--task verifiers:{target}: loading the environment failed: {type(e).__name__}: {e}") from None
 
 
+def verifiers_v1_split(target: str, val_size: int) -> tuple[list[dict], list[dict]]:
+    """A verifiers 0.4 taskset's tasks as rows, the last val_size held out for val; a DataError when it cannot be
+    loaded."""
+    from agents import verifiers_v1
+    try:
+        rows = verifiers_v1.dataset_rows(target)
+    except Exception as e:  # whatever the user's taskset raises
+        raise DataError(f"--task verifiers.v1:{target}: loading the taskset failed: {type(e).__name__}: {e}") from None
+    if len(rows) <= val_size:
+        raise DataError(f"--task verifiers.v1:{target}: {len(rows)} tasks, and --val-size {val_size} would leave "
+                        f"none for training; lower --val-size")
+    return rows[:len(rows) - val_size], rows[len(rows) - val_size:]
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", help="jsonl file to convert (kind detected from its rows)")
     parser.add_argument("--task", help=f"generate rows: {', '.join(TASKS)}, reasoning_gym:<name> or "
-                                       f"verifiers:<path/to/env.py or module>")
+                                       f"verifiers:<path/to/env.py or module>, verifiers.v1:<taskset id>")
     parser.add_argument("--output", required=True, help="folder for train.parquet and val.parquet")
     parser.add_argument("--val-fraction", type=float, default=0.05, help="share of --input rows held out as val")
     parser.add_argument("--train-size", type=int, default=2000, help="--task rows in train.parquet")
@@ -233,7 +248,9 @@ def main(argv=None) -> None:
     if args.output.endswith(".parquet"):
         parser.error(f"--output is a folder (train.parquet and val.parquet go inside), got {args.output}")
     try:
-        if args.task and args.task.startswith("verifiers:"):
+        if args.task and args.task.startswith("verifiers.v1:"):
+            write_split(*verifiers_v1_split(args.task.removeprefix("verifiers.v1:"), args.val_size), args.output)
+        elif args.task and args.task.startswith("verifiers:"):
             write_split(*verifiers_split(args.task.removeprefix("verifiers:")), args.output)
         elif args.task and args.task.startswith("reasoning_gym:"):
             write_split(*reasoning_gym_split(args.task.removeprefix("reasoning_gym:"), args), args.output)
