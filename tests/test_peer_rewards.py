@@ -185,3 +185,138 @@ def test_the_style_can_be_named_and_a_batched_call_that_raises_fails_every_sampl
         rewards.score_responses(named, [row], ["a"])  # named wrongly: its own sentence, not a silent 0
     with pytest.raises(rewards.RewardError, match="failed on all 2 samples .* RuntimeError: judge is down"):
         rewards.score_responses(rewards.load_reward_function(f"{tmp_path}/r.py:boom", 10), [row, row], ["a", "b"])
+
+
+# ---- verl's launch keys (infra/verl_keys.py)
+
+# verl's examples/grpo_trainer/run_qwen2-7b.sh, its overrides as written there ($HOME's data paths aside)
+VERL_GRPO_LINE = """algorithm.adv_estimator=grpo data.train_files={train} data.val_files={train}
+    data.train_batch_size=1024 data.max_prompt_length=512 data.max_response_length=1024
+    data.filter_overlong_prompts=True data.truncation=error actor_rollout_ref.model.path=Qwen/Qwen2-7B-Instruct
+    actor_rollout_ref.actor.optim.lr=1e-6 actor_rollout_ref.model.use_remove_padding=True
+    actor_rollout_ref.actor.ppo_mini_batch_size=256 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=40
+    actor_rollout_ref.actor.use_kl_loss=True actor_rollout_ref.actor.kl_loss_coef=0.001
+    actor_rollout_ref.actor.kl_loss_type=low_var_kl actor_rollout_ref.actor.entropy_coeff=0
+    actor_rollout_ref.model.enable_gradient_checkpointing=True actor_rollout_ref.actor.fsdp_config.param_offload=False
+    actor_rollout_ref.actor.fsdp_config.optimizer_offload=False
+    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=40
+    actor_rollout_ref.rollout.tensor_model_parallel_size=2 actor_rollout_ref.rollout.name=vllm
+    actor_rollout_ref.rollout.gpu_memory_utilization=0.6 actor_rollout_ref.rollout.n=5
+    actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=40 actor_rollout_ref.ref.fsdp_config.param_offload=True
+    algorithm.use_kl_in_reward=False trainer.critic_warmup=0 trainer.logger=["console","wandb"]
+    trainer.project_name=verl_grpo_example_gsm8k trainer.experiment_name=qwen2_7b_function_rm
+    trainer.n_gpus_per_node=8 trainer.nnodes=1 trainer.save_freq=20 trainer.test_freq=5 trainer.total_epochs=15"""
+
+# the 56 keys verl's example scripts (examples/**/*.sh, verl of January 2026) set most often, with a value each
+VERL_TOP_56 = """trainer.project_name=p trainer.logger=["console","wandb"] trainer.experiment_name=e
+    data.train_files={train} data.val_files={train} trainer.total_epochs=3 data.train_batch_size=4 trainer.nnodes=1
+    trainer.n_gpus_per_node=1 data.truncation=error data.max_response_length=1024 data.max_prompt_length=1024
+    algorithm.adv_estimator=grpo actor_rollout_ref.rollout.name=vllm actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B
+    actor_rollout_ref.actor.ppo_mini_batch_size=128 actor_rollout_ref.actor.optim.lr=1e-6 trainer.save_freq=5
+    trainer.test_freq=5 actor_rollout_ref.rollout.tensor_model_parallel_size=1
+    actor_rollout_ref.rollout.gpu_memory_utilization=0.8 actor_rollout_ref.actor.use_kl_loss=True
+    algorithm.use_kl_in_reward=False data.filter_overlong_prompts=True trainer.critic_warmup=0
+    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16 actor_rollout_ref.rollout.n=5
+    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16 actor_rollout_ref.actor.kl_loss_coef=0.001
+    actor_rollout_ref.model.use_remove_padding=True actor_rollout_ref.actor.fsdp_config.param_offload=False
+    actor_rollout_ref.actor.entropy_coeff=0 actor_rollout_ref.model.enable_gradient_checkpointing=True
+    actor_rollout_ref.actor.fsdp_config.optimizer_offload=False actor_rollout_ref.actor.kl_loss_type=low_var_kl
+    actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16 actor_rollout_ref.ref.fsdp_config.param_offload=True
+    trainer.val_before_train=True actor_rollout_ref.actor.use_dynamic_bsz=True
+    actor_rollout_ref.rollout.enable_chunked_prefill=True actor_rollout_ref.actor.ppo_max_token_len_per_gpu=24000
+    data.return_raw_chat=True actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2
+    actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2 critic.optim.lr=1e-5 critic.model.path=/m
+    trainer.default_local_dir=/tmp/ckpt algorithm.kl_ctrl.kl_coef=0.001
+    actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=24000
+    actor_rollout_ref.ref.megatron.tensor_model_parallel_size=2
+    actor_rollout_ref.ref.megatron.pipeline_model_parallel_size=2 actor_rollout_ref.rollout.max_num_batched_tokens=8192
+    data.prompt_key=prompt critic.ppo_micro_batch_size_per_gpu=32
+    actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=24000 critic.model.use_remove_padding=True"""
+
+
+@pytest.fixture
+def verl_data(tmp_path):
+    rows = [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"What is {i} + 2?"}],
+             "reward_model": {"style": "rule", "ground_truth": str(i + 2)}} for i in range(2048)]
+    data.write_parquet(rows, str(tmp_path / "train.parquet"))
+    return str(tmp_path / "train.parquet")
+
+
+def test_verls_example_launch_line_loads_as_this_librarys_config(verl_data, capsys):
+    """run_qwen2-7b.sh's overrides, as verl's example writes them, load: each key becomes ours (one console line
+    each that changed), verl's low_var_kl is k3, filter_overlong_prompts wins over truncation as in verl, 15 epochs of
+    2048 rows at 1024 a batch are 30 steps, and the keys that only place the run are left out with the reason."""
+    from infra.cli import load_config
+    cfg = load_config("configs.yaml", VERL_GRPO_LINE.format(train=verl_data).split())
+    assert (cfg.algorithm.adv_estimator, cfg.actor.optim.lr, cfg.rollout.n, cfg.rollout.max_response_length) == (
+        "grpo", 1e-6, 5, 1024)
+    assert (cfg.algorithm.use_kl_loss, cfg.algorithm.kl_loss_coef, cfg.algorithm.kl_loss_type) == (True, 0.001, "k3")
+    assert (cfg.data.truncation, cfg.trainer.total_steps, cfg.actor.ppo_micro_batch_size_per_device) == (
+        "filter", 30, 40)
+    assert (cfg.model.path, cfg.model.gradient_checkpointing, cfg.actor.entropy_coef) == (
+        "Qwen/Qwen2-7B-Instruct", True, 0.0)
+    assert cfg.trainer.logger == ["console", "wandb"] and cfg.critic.warmup_steps == 0
+    out = capsys.readouterr().out
+    assert "verl key actor_rollout_ref.actor.kl_loss_type=low_var_kl → algorithm.kl_loss_type=k3" in out
+    assert "verl key trainer.n_gpus_per_node=8 is left out: the processes are accelerate's" in out
+    assert "verl key trainer.total_epochs=15 → trainer.total_steps=30" in out
+
+
+def test_the_56_keys_verls_examples_use_most_each_translate_or_say_why(verl_data):
+    """Each of the 56 keys verl's example scripts set most often, alone on a command line: it loads as one of this
+    library's keys, or is left out or refused with the sentence saying why — never a "did you mean" guessed from its
+    spelling, never a key that is not ours."""
+    from infra import verl_keys
+    from infra.cli import all_keys, load_config
+    from infra.config import Config, ConfigError
+    ours = set(all_keys(Config))
+    items = VERL_TOP_56.format(train=verl_data).split()
+    assert len(items) == 56 and len({item.split("=")[0] for item in items}) == 56
+    for item in items:
+        key = item.split("=")[0]
+        try:
+            translated, _ = verl_keys.translate_all([item], {"data": {"train_files": verl_data}})
+            load_config("configs.yaml", [item, f"data.train_files={verl_data}"])
+        except ConfigError as e:
+            assert str(e).startswith(f"verl's `{key}` has no setting here: ") and "did you mean" not in str(e), e
+            continue
+        assert all(t.split("=")[0] in ours for t in translated), (item, translated)
+    assert all(target in ours for targets in verl_keys.ALIASES.values()
+               for target in ((targets,) if isinstance(targets, str) else targets))
+
+
+def test_verls_kl_estimator_names_are_understood_and_others_say_why():
+    """verl's names for the KL estimators (core_algos.kl_penalty) on verl's keys and on ours: kl = k1, mse = k2,
+    low_var_kl = k3, abs; "full" is refused with the reason; a misspelt key of ours still gets the right "did you
+    mean", and a verl key with no setting names its reason, not a look-alike key."""
+    from infra.cli import load_config
+    from infra.config import ConfigError
+    for verl, ours in (("kl", "k1"), ("mse", "k2"), ("low_var_kl", "k3"), ("abs", "abs"), ("k3", "k3")):
+        cfg = load_config("configs.yaml", [f"algorithm.kl_penalty={verl}",
+                                           f"actor_rollout_ref.actor.kl_loss_type={verl}"])
+        assert (cfg.algorithm.kl_penalty, cfg.algorithm.kl_loss_type) == (ours, ours)
+    with pytest.raises(ConfigError, match="algorithm.kl_penalty=full: the full-vocabulary KL needs every token's"):
+        load_config("configs.yaml", ["algorithm.kl_penalty=full"])
+    with pytest.raises(ConfigError, match=r"did you mean `actor.optim.lr`\?"):
+        load_config("configs.yaml", ["actor.optim.llr=1e-6"])
+    with pytest.raises(ConfigError, match=r"verl's `actor_rollout_ref.rollout.mode` has no setting here: the rollout"):
+        load_config("configs.yaml", ["actor_rollout_ref.rollout.mode=async"])
+    with pytest.raises(ConfigError, match=r"verl's `actor_rollout_ref.actor.optim.lr_warmup_steps` is not one this "):
+        load_config("configs.yaml", ["actor_rollout_ref.actor.optim.lr_warmup_steps=10"])  # not "did you mean lr"
+
+
+def test_a_verl_launch_line_passes_ppos_start_up_checks(tmp_path, verl_data):
+    """verl's run_qwen2-7b.sh line, with the tiny model, HF rollout and batch sizes that fit 2 CPU processes' worth of
+    data, goes through `ppo.py --check`: every start-up check passes on the translated config."""
+    model = make_tiny_model(tmp_path / "model")
+    line = VERL_GRPO_LINE.format(train=verl_data).split()
+    swap = {"actor_rollout_ref.model.path": model, "actor_rollout_ref.rollout.name": "hf",
+            "data.train_batch_size": "8", "actor_rollout_ref.actor.ppo_mini_batch_size": "4",
+            "data.max_prompt_length": "64", "data.max_response_length": "8"}
+    line = [f"{k}={swap.get(k, v)}" for k, v in (item.split("=", 1) for item in line)]
+    proc = subprocess.run([sys.executable, "ppo.py", "--config", "configs.yaml", "--check", *line,
+                           f"trainer.output_dir={tmp_path}/out", "trainer.logger=[console]"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "verl key actor_rollout_ref.rollout.n=5 → rollout.n=5" in proc.stdout
+    assert "verl key trainer.total_epochs=15 → trainer.total_steps=3840" in proc.stdout
