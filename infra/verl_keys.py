@@ -121,7 +121,7 @@ NO_SETTING = {
     "custom_reward_function.name": "give custom_reward_function.path too, or reward.function=path/to/file.py:name",
 }
 
-VERL_ONLY = ("actor_rollout_ref.", "reward_model.", "custom_reward_function.", "critic.model.")  # sections not ours
+VERL_ONLY = ("actor_rollout_ref.", "custom_reward_function.", "critic.model.")  # sections that are not ours
 
 # verl's KL estimator names (core_algos.kl_penalty) → kl.ESTIMATORS'; low_var_kl is k3, without verl's ±10 clamp
 ESTIMATOR_NAMES = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "low_var_kl": "k3", "k3": "k3", "abs": "abs"}
