@@ -190,6 +190,8 @@ def load_config(path: Optional[str] = None, overrides: tuple = (), root=Config):
                               f"got {shown(tree)[:80]}")
     other = {f.name for r in ROOTS if r is not root for f in dataclasses.fields(r)}
     tree = {k: v for k, v in tree.items() if k not in other}  # configs.yaml holds both entry points' sections
+    if "actor_rollout_ref" in tree:  # a verl YAML file: its keys are read as verl's launch line's
+        tree, overrides = {}, [*verl_keys.tree_items(tree), *overrides]
     try:  # verl's launch keys and values, in this library's terms (infra/verl_keys.py), each said on the console
         overrides, translated = verl_keys.translate_all(list(overrides), tree)
     except ValueError as e:

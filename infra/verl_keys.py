@@ -6,11 +6,13 @@ stops the run with that sentence: never a "did you mean" guessed from the spelli
     python ppo.py --config configs.yaml actor_rollout_ref.actor.optim.lr=1e-6 actor_rollout_ref.rollout.n=5 \\
         actor_rollout_ref.actor.kl_loss_type=low_var_kl trainer.total_training_steps=100
     # verl key actor_rollout_ref.actor.optim.lr=1e-6 → actor.optim.lr=1e-6   … one line each
+    python ppo.py --config verl_overrides.yaml    # a file in verl's layout (actor_rollout_ref: …) reads the same way
 
 The tables are plain dicts: ALIASES (verl key → ours, the same meaning), IGNORED and NO_SETTING (verl key, or a
 prefix ending in ".", → why there is none here), and VALUES, the value translations (verl's KL estimator names;
 -1 = never). tests/test_peer_rewards.py holds the 56 keys verl's example scripts use most, each translated or told.
 """
+import json
 from typing import Callable, Optional
 
 # verl key → this library's key (or keys) with the same meaning and units
@@ -79,6 +81,8 @@ LOG_PROB = "the log-prob passes follow actor.use_dynamic_bsz and actor.max_token
 # verl key (or a prefix ending in ".") → why this library has no such setting, for keys that place a run or set
 # its speed, not what it computes: said on the console and left out, so that a verl launch line runs
 IGNORED = {
+    "defaults": "Hydra's composition list: one file is read here, with its overrides",
+    "hydra.": "Hydra's own settings: there is no Hydra here",
     "trainer.n_gpus_per_node": PROCESSES,
     "trainer.nnodes": PROCESSES,
     "trainer.use_legacy_worker_impl": "there are no Ray workers here, legacy or new",
@@ -191,6 +195,19 @@ def translate_all(items: list[str], tree: dict) -> tuple[list[str], list[str]]:
             out += [f"{k}={v}" for k, v in pairs]
             lines += [line] if line else []
     return out, lines
+
+
+def tree_items(tree: dict, prefix: str = "") -> list[str]:
+    """A verl YAML file (it has an actor_rollout_ref section) as the key=value items of a launch line, so that
+    translate_all reads it as it reads verl's command line; lists and mappings as YAML flow text."""
+    items = []
+    for key, value in tree.items():
+        if isinstance(value, dict) and value and key != "defaults":
+            items += tree_items(value, f"{prefix}{key}.")
+        elif not isinstance(value, dict):
+            text = json.dumps(value) if isinstance(value, (list, bool)) or value is None else str(value)
+            items.append(f"{prefix}{key}={text}")
+    return items
 
 
 def truthy(value: Optional[str]) -> bool:

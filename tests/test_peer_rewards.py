@@ -320,3 +320,44 @@ def test_a_verl_launch_line_passes_ppos_start_up_checks(tmp_path, verl_data):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "verl key actor_rollout_ref.rollout.n=5 → rollout.n=5" in proc.stdout
     assert "verl key trainer.total_epochs=15 → trainer.total_steps=3840" in proc.stdout
+
+
+VERL_YAML = """defaults:
+  - ppo_trainer
+  - _self_
+data:
+  train_batch_size: 8
+  max_response_length: 256
+  filter_overlong_prompts: true
+actor_rollout_ref:
+  model:
+    path: Qwen/Qwen2.5-0.5B-Instruct
+  actor:
+    optim:
+      lr: 1.0e-6
+    ppo_mini_batch_size: 4
+    kl_loss_type: low_var_kl
+  rollout:
+    n: 4
+algorithm:
+  adv_estimator: grpo
+  kl_penalty: mse
+trainer:
+  logger: ["console", "wandb"]
+  total_training_steps: 50
+  save_freq: -1
+"""
+
+
+def test_a_verl_yaml_file_loads_as_its_launch_line_would(tmp_path, capsys):
+    """A config file in verl's layout (Hydra's defaults list, actor_rollout_ref's nesting) given to --config reads as
+    the same keys on verl's command line would: translated, each said, and the command line's overrides on top."""
+    from infra.cli import load_config
+    (tmp_path / "verl.yaml").write_text(VERL_YAML)
+    cfg = load_config(str(tmp_path / "verl.yaml"), ["actor_rollout_ref.rollout.n=8"])
+    assert (cfg.model.path, cfg.actor.optim.lr, cfg.actor.ppo_mini_batch_size, cfg.rollout.n) == (
+        "Qwen/Qwen2.5-0.5B-Instruct", 1e-6, 4, 8)
+    assert (cfg.algorithm.kl_loss_type, cfg.algorithm.kl_penalty, cfg.data.truncation) == ("k3", "k2", "filter")
+    assert (cfg.rollout.max_response_length, cfg.trainer.total_steps, cfg.trainer.save_freq) == (256, 50, 0)
+    assert cfg.trainer.logger == ["console", "wandb"]
+    assert "is left out: Hydra's composition list" in capsys.readouterr().out
