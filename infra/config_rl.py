@@ -241,8 +241,9 @@ class RewardConfig:
     function_style: Literal["auto", "verl", "trl", "openrlhf"] = "auto"
     """reward.function's calling convention: verl (compute_score(data_source, solution_str, ground_truth, extra_info),
     per sample), trl (f(prompts, completions, **columns) → list[float | None], per batch: TRL's reward_funcs),
-    openrlhf (reward_func(queries, prompts, labels) → rewards or {"rewards", "scores", "extra_logs"}, per batch);
-    auto = trl where it has a `completions` parameter, openrlhf where `queries`, else verl"""
+    openrlhf (reward_func(queries, prompts, labels) → rewards or {"rewards", "scores", "extra_logs"}, per batch:
+    one call of the process's batch, which reward.timeout_s bounds as a whole); auto = trl where it has a
+    `completions` parameter, openrlhf where `queries`, else verl"""
     model_path: Optional[str] = None
     """reward model folder (AutoModelForSequenceClassification), for source model"""
     normalize: bool = False
