@@ -5,12 +5,13 @@ reward.function); a reward model, an LLM judge and a reward server live in score
 
 A custom function is `reward.function=path/to/file.py:name`; verl reward files work unchanged, `async def` ones
 included, and so do TRL's batched reward functions `f(prompts, completions, **columns)` and OpenRLHF's
-`reward_func(queries, prompts, labels)`, told by their parameters (function_style) or by reward.function_style. A function may return a number, or a dict with "score" and other numbers to log. It runs in a worker
-pool of reward.max_concurrency worker processes (infra/worker.py), each call limited to reward.timeout_s and each
-batch to reward.max_timeouts timed-out calls: a call that hangs, raises, calls sys.exit, or ends or kills its worker
-is an error for its sample (reward/errors), never the end of the run; so is a score that is not finite or beyond
-±reward.max_abs_score. Besides "score" it may return step rewards, "step_rewards" with "step_ends", which land on
-the tokens that end the steps (scorers/steps.py), as a process reward model's would.
+`reward_func(queries, prompts, labels)`, told by their parameters (function_style) or by reward.function_style
+(scorers/function_styles.py). A function may return a number, or a dict with "score" and other numbers to log. It
+runs in a worker pool of reward.max_concurrency worker processes (infra/worker.py), each call limited to
+reward.timeout_s and each batch to reward.max_timeouts timed-out calls: a call that hangs, raises, calls sys.exit, or
+ends or kills its worker is an error for its sample (reward/errors), never the end of the run; so is a score that is
+not finite or beyond ±reward.max_abs_score. Besides "score" it may return step rewards, "step_rewards" with
+"step_ends", which land on the tokens that end the steps (scorers/steps.py), as a process reward model's would.
 """
 import asyncio
 import functools
@@ -206,7 +207,7 @@ def rule_needing_truth(data_source, cfg_reward):
     return None if rule is None else f"{rule.__module__.split('.')[-1]}.{rule.__name__}"
 
 
-# ---- a reward function, called as verl calls it
+# ---- a reward function, called as verl (or TRL, or OpenRLHF) calls it
 
 
 def load_reward_function(spec, timeout_s: float, stop=None, pool: Pool = Pool(), style: str = "auto"):
@@ -247,8 +248,10 @@ def function_results(compute_score, rows: list[dict], responses: list[str], comp
     if style == "verl":
         return call_reward(compute_score, verl_calls(rows, responses))
     params = compute_score.params if isinstance(compute_score, FunctionWorker) else parameters(compute_score)
-    call = lambda kwargs: call_reward(compute_score, [kwargs if "**" in params else  # noqa: E731
-                                                     {k: v for k, v in kwargs.items() if k in params}])[0]
+
+    def call(kwargs: dict):  # the one call for the batch: its return value, or the exception it raised
+        taken = kwargs if "**" in params else {k: v for k, v in kwargs.items() if k in params}
+        return call_reward(compute_score, [taken])[0]
     return load_target(REWARD_STYLES[style])(call, rows, responses, completion_ids)
 
 

@@ -136,8 +136,8 @@ ESTIMATOR_NOT_HERE = {"full": "the full-vocabulary KL needs every token's logits
 
 
 def estimator(key: str, value: str) -> str:
-    """A KL estimator's name in verl's spelling (kl, mse, low_var_kl, abs, k1–k3) → kl.ESTIMATORS'; verl's others are
-    a ConfigError saying why; any other name is left for the stage's check (ppo.check_names) to refuse."""
+    """A KL estimator's name in verl's spelling (kl, mse, low_var_kl, abs, k1–k3) → kl.ESTIMATORS'; verl's others
+    are a ValueError saying why; any other name is left for the stage's check (ppo.check_names) to refuse."""
     if value in ESTIMATOR_NOT_HERE:
         raise ValueError(f"{key}={value}: {ESTIMATOR_NOT_HERE[value]}")
     return ESTIMATOR_NAMES.get(value, value)
@@ -225,12 +225,12 @@ def steps_of(epochs: str, given: dict, tree: dict) -> Optional[int]:
     try:
         rows = pq.ParquetFile(str(path).strip("'\"")).metadata.num_rows
         return max(1, int(float(epochs)) * (rows // int(batch)))
-    except Exception:
+    except (OSError, ValueError, ZeroDivisionError):  # a missing or unreadable file (ArrowInvalid is a ValueError)
         return None
 
 
 def translate(key: str, value: str) -> tuple[list[tuple[str, str]], Optional[str]]:
-    """One override → ([(our key, value), …], the console line saying what it became, or None where nothing changed).
+    """One override → ([(our key, value), …], the console line saying what it became or None where nothing changed).
     A verl key that only places the run or sets its speed (IGNORED) is left out, the line saying why; ValueError with
     the sentence why for any other verl key with no setting here, or a verl value with none (KL "full")."""
     key = key.removeprefix("+")  # Hydra's "add a key"
