@@ -71,6 +71,21 @@ ALIASES = {
     "reward_model.overlong_buffer.len": "reward.overlong_buffer_len",
     "reward_model.overlong_buffer.penalty_factor": "reward.overlong_penalty_factor",
     "custom_reward_function.path": "reward.function",
+    "data.tokenizer": "model.tokenizer_path",
+    "data.trust_remote_code": "model.trust_remote_code",
+    "data.seed": "trainer.seed",
+    "critic.optim.lr_warmup_steps_ratio": "critic.optim.warmup_ratio",
+    "critic.optim.warmup_style": "critic.optim.lr_scheduler",
+    "critic.optim.lr_scheduler_type": "critic.optim.lr_scheduler",
+    "critic.optim.clip_grad": "critic.max_grad_norm",
+    "algorithm.rollout_correction.rollout_is": "algorithm.rollout_is",
+    "algorithm.rollout_correction.rollout_is_threshold": "algorithm.rollout_is_threshold",
+    "algorithm.rollout_correction.rollout_rs": "algorithm.rollout_rs",
+    "algorithm.rollout_correction.rollout_rs_threshold": "algorithm.rollout_rs_threshold",
+    "trainer.resume_from_path": "trainer.resume",
+    "trainer.max_actor_ckpt_to_keep": "trainer.keep_checkpoints",
+    "trainer.max_critic_ckpt_to_keep": "trainer.keep_checkpoints",
+    "trainer.log_val_generations": "trainer.num_samples_to_show",
 }
 
 OFFLOAD = ("offloading is the FSDP plugin's here (fsdp_offload_params in accelerate_configs/fsdp2.yaml: parameters, "
@@ -105,6 +120,26 @@ IGNORED = {
     "actor_rollout_ref.actor.use_torch_compile": "the policy is not compiled here",
     "critic.model.use_remove_padding": "the critic follows model.use_remove_padding",
     "critic.model.enable_gradient_checkpointing": "the critic follows model.gradient_checkpointing",
+    "critic.use_dynamic_bsz": "the critic follows actor.use_dynamic_bsz",
+    "critic.ppo_max_token_len_per_gpu": "the critic follows actor.max_token_len_per_device",
+    "critic.forward_max_token_len_per_gpu": "the critic follows actor.max_token_len_per_device",
+    "critic.forward_micro_batch_size_per_gpu": "the critic's no-grad pass follows critic.ppo_micro_batch_size_per_device",
+    "critic.ulysses_sequence_parallel_size": "there is no sequence parallelism here",
+    "critic.strategy": "FSDP2 through accelerate is the only strategy",
+    "critic.checkpoint.": "a checkpoint holds everything a resume needs",
+    "critic.profiler.": "there is no profiler setting here",
+    "data.dataloader_num_workers": "prompts are read in the training process",
+    "data.use_shm": "models are read from their folders",
+    "data.val_batch_size": "validation generates its rows in batches of data.train_batch_size",
+    "data.validation_shuffle": "validation reads its rows in order",
+    "data.filter_overlong_prompts_workers": "the prompts are measured in the training process",
+    "trainer.del_local_ckpt_after_load": "checkpoints are kept by trainer.keep_checkpoints",
+    "trainer.ray_wait_register_center_timeout": "there is no Ray here",
+    "trainer.device": "the device is the one accelerate gives each process",
+    "trainer.esi_redundant_time": "SIGTERM (Slurm's preemption) saves a checkpoint at the next micro-batch",
+    "ray_kwargs.": "there is no Ray here",
+    "global_profiler.": "there is no profiler setting here",
+    "transfer_queue.": "there is no transfer queue here",
 }
 # verl key (or a prefix ending in ".") → why this library has no such setting, for keys that change what a run
 # computes: refused with that sentence, since leaving them out would train something other than what was asked
@@ -123,6 +158,27 @@ NO_SETTING = {
     "reward_model.reward_manager": "every reward manager's work is reward.sources' here (DAPO's overlong buffer: "
                                    "reward.overlong_buffer_len)",
     "custom_reward_function.name": "give custom_reward_function.path too, or reward.function=path/to/file.py:name",
+    "reward_model.model.": "a reward model is reward.sources=[model] with reward.model_path",
+    "reward_model.micro_batch_size_per_gpu": "a reward model's batch is reward.micro_batch_size",
+    "reward_manager.": "every reward manager's work is reward.sources' here",
+    "data.train_max_samples": "the training rows are all of data.train_files",
+    "data.image_key": "there are no images or videos here: text only",
+    "data.video_key": "there are no images or videos here: text only",
+    "data.custom_cls.": "rows are read by data.py from verl's parquet layout or this library's",
+    "data.sampler.": "prompts are drawn in a shuffled order each epoch (data.shuffle)",
+    "data.datagen.": "data is prepared beforehand (tools/prepare_data.py)",
+    "data.tool_config_path": "tools are named by rollout.multi_turn.tools",
+    "critic.ppo_mini_batch_size": "the critic steps with the actor's mini-batches (actor.ppo_mini_batch_size)",
+    "critic.ppo_epochs": "the critic trains for the actor's epochs (actor.ppo_epochs)",
+    "critic.loss_agg_mode": "the value loss is a token mean",
+    "critic.enable": "the critic is on exactly when algorithm.adv_estimator=gae",
+    "algorithm.use_pf_ppo": "there is no policy-filtration PPO here",
+    "algorithm.pf_ppo.": "there is no policy-filtration PPO here",
+    "algorithm.rollout_correction.": "this library's rollout correction is algorithm.rollout_is and rollout_rs",
+    "trainer.val_only": "validation runs within training (trainer.val_before_train, trainer.test_freq)",
+    "trainer.default_hdfs_dir": "checkpoints are written to trainer.output_dir only",
+    "trainer.rollout_data_dir": "samples are logged in metrics.jsonl's tables (trainer.sample_freq)",
+    "trainer.validation_data_dir": "samples are logged in metrics.jsonl's tables (trainer.sample_freq)",
 }
 
 VERL_ONLY = ("actor_rollout_ref.", "custom_reward_function.", "critic.model.")  # sections that are not ours
@@ -143,6 +199,13 @@ def estimator(key: str, value: str) -> str:
     return ESTIMATOR_NAMES.get(value, value)
 
 
+def correction(key: str, value: str) -> str:
+    """verl's rollout_correction names (rollout_is: token, sequence; rollout_rs: token_k1, seq_sum_k1, seq_mean_k1;
+    null = off) → algorithm.rollout_is's and rollout_rs's."""
+    names = {"null": "off", "none": "off", "token_k1": "token", "seq_sum_k1": "sequence", "seq_mean_k1": "sequence_mean"}
+    return names.get(str(value).strip().lower(), value)
+
+
 def never_as_zero(key: str, value: str) -> str:
     """verl's -1 (never) for a frequency → 0, which here means only at the end of the run."""
     return "0" if value.strip() == "-1" else value
@@ -152,6 +215,7 @@ def never_as_zero(key: str, value: str) -> str:
 VALUES: dict[str, Callable[[str, str], str]] = {
     "algorithm.kl_loss_type": estimator, "algorithm.kl_penalty": estimator,
     "algorithm.teacher.kl_estimator": estimator, "trainer.save_freq": never_as_zero, "trainer.test_freq": never_as_zero,
+    "algorithm.rollout_is": correction, "algorithm.rollout_rs": correction,
 }
 
 
@@ -234,6 +298,8 @@ def translate(key: str, value: str) -> tuple[list[tuple[str, str]], Optional[str
     A verl key that only places the run or sets its speed (IGNORED) is left out, the line saying why; ValueError with
     the sentence why for any other verl key with no setting here, or a verl value with none (KL "full")."""
     key = key.removeprefix("+")  # Hydra's "add a key"
+    if key.endswith("._target_"):
+        return [], f"verl key {key}={value} is left out: Hydra's class to build, which this library does not use"
     if why_not(key, IGNORED) is not None:
         return [], f"verl key {key}={value} is left out: {why_not(key, IGNORED)}"
     if why_not(key, NO_SETTING) is not None:

@@ -283,6 +283,11 @@ def test_the_56_keys_verls_examples_use_most_each_translate_or_say_why(verl_data
         assert all(t.split("=")[0] in ours for t in translated), (item, translated)
     assert all(target in ours for targets in verl_keys.ALIASES.values()
                for target in ((targets,) if isinstance(targets, str) else targets))
+    from infra.config import RewardModelStage
+    from infra.config_offline import DPOStage, SFTStage
+    every = ours | {key for root in (RewardModelStage, SFTStage, DPOStage) for key in all_keys(root)}
+    tables = [*verl_keys.ALIASES, *verl_keys.IGNORED, *verl_keys.NO_SETTING]
+    assert not [k for k in tables if any(o == k or (k.endswith(".") and o.startswith(k)) for o in every)]  # ours kept
 
 
 def test_verls_kl_estimator_names_are_understood_and_others_say_why():
@@ -295,6 +300,9 @@ def test_verls_kl_estimator_names_are_understood_and_others_say_why():
         cfg = load_config("configs.yaml", [f"algorithm.kl_penalty={verl}",
                                            f"actor_rollout_ref.actor.kl_loss_type={verl}"])
         assert (cfg.algorithm.kl_penalty, cfg.algorithm.kl_loss_type) == (ours, ours)
+    cfg = load_config("configs.yaml", ["algorithm.rollout_correction.rollout_rs=seq_mean_k1",
+                                        "algorithm.rollout_correction.rollout_is=null"])  # verl's names here too
+    assert (cfg.algorithm.rollout_rs, cfg.algorithm.rollout_is) == ("sequence_mean", "off")
     with pytest.raises(ConfigError, match="algorithm.kl_penalty=full: the full-vocabulary KL needs every token's"):
         load_config("configs.yaml", ["algorithm.kl_penalty=full"])
     with pytest.raises(ConfigError, match=r"did you mean `actor.optim.lr`\?"):
