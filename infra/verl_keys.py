@@ -300,9 +300,9 @@ def translate(key: str, value: str) -> tuple[list[tuple[str, str]], Optional[str
     key = key.removeprefix("+")  # Hydra's "add a key"
     if key.endswith("._target_"):
         return [], f"verl key {key}={value} is left out: Hydra's class to build, which this library does not use"
-    if why_not(key, IGNORED) is not None:
+    if key not in ALIASES and why_not(key, IGNORED) is not None:  # a prefix's sentence, where no alias holds the key
         return [], f"verl key {key}={value} is left out: {why_not(key, IGNORED)}"
-    if why_not(key, NO_SETTING) is not None:
+    if key not in ALIASES and why_not(key, NO_SETTING) is not None:
         raise ValueError(f"verl's `{key}` has no setting here: {why_not(key, NO_SETTING)}")
     if key.startswith(VERL_ONLY) and key not in ALIASES:  # a guess from its spelling would name a wrong key
         raise ValueError(f"verl's `{key}` is not one this library translates (infra/verl_keys.py lists those it does, "
