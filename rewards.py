@@ -243,13 +243,16 @@ def function_style(params: list[str], style: str = "auto") -> str:
 def function_results(compute_score, rows: list[dict], responses: list[str], completion_ids=None) -> list:
     """One result per (row, response) from a reward function in its style (its `.style`, else read from its
     parameters): verl's per sample (verl_calls), or a batched style's one call for the batch (REWARD_STYLES; only the
-    keywords it takes where it has no **kwargs) read back per sample; the call's exception is each sample's."""
+    keywords it takes where it has no **kwargs; OpenRLHF's three by position, as OpenRLHF passes them, where its
+    parameters have other names) read back per sample; the call's exception is each sample's."""
     style = getattr(compute_score, "style", None) or function_style(parameters(compute_score))
     if style == "verl":
         return call_reward(compute_score, verl_calls(rows, responses))
     params = compute_score.params if isinstance(compute_score, FunctionWorker) else parameters(compute_score)
 
     def call(kwargs: dict):  # the one call for the batch: its return value, or the exception it raised
+        if style == "openrlhf" and not set(kwargs) <= set(params):  # OpenRLHF passes them by position
+            kwargs = dict(zip([p for p in params if p != "**"], kwargs.values()))
         taken = kwargs if "**" in params else {k: v for k, v in kwargs.items() if k in params}
         return call_reward(compute_score, [taken])[0]
     return load_target(REWARD_STYLES[style])(call, rows, responses, completion_ids)

@@ -174,14 +174,17 @@ def test_an_openrlhf_reward_func_file_trains_one_step(tmp_path):
 
 
 def test_the_style_can_be_named_and_a_batched_call_that_raises_fails_every_sample(tmp_path):
-    """reward.function_style names the convention where the parameters do not tell it; a batched call that raises is
+    """reward.function_style names the convention where the parameters do not tell it (OpenRLHF's three then go by
+    position, as OpenRLHF passes them); a wrong name, or a batched call that raises, is
     an error for each of its samples, so a batch where it always raises stops (RewardError), never trains on zeros."""
     (tmp_path / "r.py").write_text("def score(qs, ps, labels):\n    return [1.0] * len(qs)\n"
                                    "def boom(prompts, completions, **kw):\n    raise RuntimeError('judge is down')\n")
     row = {"prompt": "p", "prompt_text": "p", "ground_truth": "2", "data_source": "x", "extra_info": {}, "columns": {}}
     assert rewards.load_reward_function(f"{tmp_path}/r.py:score", 10).style == "verl"
     named = rewards.load_reward_function(f"{tmp_path}/r.py:score", 10, style="openrlhf")
-    with pytest.raises(rewards.RewardError, match="missing 2 required positional arguments"):
+    assert rewards.score_responses(named, [row, row], ["a", "b"]) == ([1.0, 1.0], {}, 0)  # by position, as OpenRLHF
+    named = rewards.load_reward_function(f"{tmp_path}/r.py:score", 10, style="trl")
+    with pytest.raises(rewards.RewardError, match="missing 3 required positional arguments"):
         rewards.score_responses(named, [row], ["a"])  # named wrongly: its own sentence, not a silent 0
     with pytest.raises(rewards.RewardError, match="failed on all 2 samples .* RuntimeError: judge is down"):
         rewards.score_responses(rewards.load_reward_function(f"{tmp_path}/r.py:boom", 10), [row, row], ["a", "b"])
