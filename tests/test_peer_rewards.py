@@ -11,7 +11,7 @@ import pytest
 
 import data
 import rewards
-from conftest import REPO, make_tiny_model, read_metrics
+from conftest import REPO, make_tiny_model, pip_install, read_metrics
 
 # TRL's reward functions as its docs write them (GRPOTrainer, "Using a custom reward function"): conversational data,
 # each completion a list of messages, the dataset's other columns as keywords; None = no reward for that sample
@@ -74,14 +74,18 @@ def plain(queries, prompts, labels, **kwargs):
 '''
 
 
+def ppo_args(model, train, out) -> list[str]:
+    """One step of ppo.py on the tiny model, HF rollout, 4 prompts × 2 samples."""
+    return ["--config", "configs.yaml", f"model.path={model}", f"data.train_files={train}", "data.val_files=null",
+            "rollout.name=hf", "rollout.max_response_length=8", "data.max_prompt_length=64", "data.train_batch_size=4",
+            "rollout.n=2", "actor.ppo_mini_batch_size=4", "trainer.total_steps=1", "trainer.save_freq=0",
+            "trainer.test_freq=0", "trainer.sample_freq=0", "trainer.plot_curves=false", "trainer.val_before_train=false",
+            "trainer.max_kl=0", f"trainer.output_dir={out}", "model.dtype=fp32"]
+
+
 def run_ppo(model, train, out, *overrides):
-    cmd = [sys.executable, "ppo.py", "--config", "configs.yaml", f"model.path={model}", f"data.train_files={train}",
-           "data.val_files=null", "rollout.name=hf", "rollout.max_response_length=8", "data.max_prompt_length=64",
-           "data.train_batch_size=4", "rollout.n=2", "actor.ppo_mini_batch_size=4", "trainer.total_steps=1",
-           "trainer.save_freq=0", "trainer.test_freq=0", "trainer.sample_freq=0", "trainer.plot_curves=false",
-           "trainer.val_before_train=false", "trainer.max_kl=0", f"trainer.output_dir={out}", "model.dtype=fp32",
-           *overrides]
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, "ppo.py", *ppo_args(model, train, out), *overrides], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
 
 
 def trl_rows():
@@ -128,6 +132,34 @@ def test_a_trl_reward_function_trains_one_step_on_its_own_columns(tmp_path):
     assert sorted(batch["answer"]) == sorted([r["answer"] for r in trl_rows()] * 2)
     assert batch["prompts"][0][0]["role"] == "user" and batch["completions"][0][0]["role"] == "assistant"
     assert all(isinstance(ids, list) and all(isinstance(t, int) for t in ids) for ids in batch["completion_ids"])
+
+
+TRL = "trl==0.19.1"  # as tests/test_crosscheck_dpo.py installs it
+
+
+def test_trls_own_reward_function_from_the_real_package_trains_one_step(tmp_path):
+    """TRL's shipped think_format_reward (trl.rewards, installed from PyPI), named as TRL users name it in
+    reward_funcs: recognised, scoring conversational completions as TRL scores them (1 for "<think>…</think>…", 0
+    else), and through ppo.py one step where the reward arrives with no error."""
+    root = pip_install(TRL)
+    (tmp_path / "r.py").write_text("from trl.rewards import think_format_reward\n")
+    sys.path.insert(0, root)  # the worker imports the file with this process's sys.path
+    try:
+        fn = rewards.load_reward_function(f"{tmp_path}/r.py:think_format_reward", 10)
+        rows = [{"prompt": m["prompt"], "prompt_text": "", "ground_truth": None, "data_source": "unknown",
+                 "extra_info": {}, "columns": m} for m in trl_rows()[:2]]
+        assert fn.style == "trl" and rewards.score_responses(fn, rows, ["<think>\nso\n</think>\n4", "4"]) == (
+            [1.0, 0.0], {"no_reward": [0.0, 0.0]}, 0)
+    finally:
+        sys.path.remove(root)
+    model = make_tiny_model(tmp_path / "model")
+    data.write_parquet(trl_rows(), str(tmp_path / "t.parquet"))
+    proc = subprocess.run([sys.executable, "ppo.py", *ppo_args(model, tmp_path / "t.parquet", tmp_path / "out"),
+                           f"reward.function={tmp_path}/r.py:think_format_reward"], cwd=REPO, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "PYTHONPATH": root})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    step = [line for line in read_metrics(tmp_path / "out") if line["step"] == 1][0]
+    assert step["reward/errors"] == 0 and step["reward/no_reward"] == 0 and "reward/function/mean" in step
 
 
 def test_a_trl_reward_function_that_fails_its_sample_call_stops_before_the_policy_loads(tmp_path):
