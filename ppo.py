@@ -102,7 +102,7 @@ from infra.trunk import plan_trunk
 from kl import distillation_rewards, KLController, kl_estimate, kl_penalty_rewards
 from losses import agg_loss, Clip, Counts, mini_batch_counts, POLICY_LOSSES, policy_loss_mask, rollout_is_weights
 from data import load_prompts
-from rewards import check_data_sources, check_reward_inputs, rule_needing_truth, score_samples, Scorer
+from rewards import check_data_sources, check_reward_inputs, check_sample_call, rule_needing_truth, score_samples, Scorer
 from rollout import check_rollout, check_turns, make_rollout, rollout_is_level, RunAhead
 from validation import check_best_metric, held_out_perplexity, reference_text, validate
 
@@ -334,6 +334,7 @@ def check_inputs(cfg, num_processes: int, print0=print) -> Inputs:
                                         default_source="environment" if cfg.rollout.multi_turn.env else "unknown")
     sizes = check_sizes(cfg, num_processes, len(train_rows))
     check_data_sources({r["data_source"] for r in train_rows + val_rows}, cfg.reward)  # each has a rule
+    check_sample_call(cfg.reward, train_rows[0])  # a TRL or OpenRLHF reward function takes its keywords
     turns = check_turns(cfg, tokenizer, train_rows + val_rows)  # multi-turn: the environment starts, fits; or None
     references = reference_text(cfg, val_rows, tokenizer)  # val/perplexity's text (data.val_reference)
     check_best_metric(cfg, {r["data_source"] for r in val_rows}, turns.metric_names() if turns else (), references)

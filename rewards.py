@@ -4,12 +4,14 @@ here rule (the built-in rules, routed by data_source as verl routes them: reward
 reward.function); a reward model, an LLM judge and a reward server live in scorers/, named only on their lines.
 
 A custom function is `reward.function=path/to/file.py:name`; verl reward files work unchanged, `async def` ones
-included. A function may return a number, or a dict with "score" and other numbers to log. It runs in a worker
-pool of reward.max_concurrency worker processes (infra/worker.py), each call limited to reward.timeout_s and each
-batch to reward.max_timeouts timed-out calls: a call that hangs, raises, calls sys.exit, or ends or kills its worker
-is an error for its sample (reward/errors), never the end of the run; so is a score that is not finite or beyond
-±reward.max_abs_score. Besides "score" it may return step rewards, "step_rewards" with "step_ends", which land on
-the tokens that end the steps (scorers/steps.py), as a process reward model's would.
+included, and so do TRL's batched reward functions `f(prompts, completions, **columns)` and OpenRLHF's
+`reward_func(queries, prompts, labels)`, told by their parameters (function_style) or by reward.function_style
+(scorers/function_styles.py). A function may return a number, or a dict with "score" and other numbers to log. It
+runs in a worker pool of reward.max_concurrency worker processes (infra/worker.py), each call limited to
+reward.timeout_s and each batch to reward.max_timeouts timed-out calls: a call that hangs, raises, calls sys.exit, or
+ends or kills its worker is an error for its sample (reward/errors), never the end of the run; so is a score that is
+not finite or beyond ±reward.max_abs_score. Besides "score" it may return step rewards, "step_rewards" with
+"step_ends", which land on the tokens that end the steps (scorers/steps.py), as a process reward model's would.
 """
 import asyncio
 import functools
@@ -29,7 +31,7 @@ from infra.checks import reward_sources
 from infra.config import ConfigError, load_target
 from infra.rollout_common import add_token_rewards, cut_off, Samples, with_conversations
 from infra.runs import Interrupted
-from infra.worker import CallFailed, FunctionWorker, Pool, WorkerStartError
+from infra.worker import CallFailed, FunctionWorker, parameters, Pool, WorkerStartError
 from reward_rules.routing import default_compute_score, environment_score, KNOWN, rule_for, without_rule
 
 # ---- what every scorer returns, and what it is built with
@@ -129,7 +131,7 @@ def reward_function(cfg_reward, stop=None):
     """reward.function in reward.max_concurrency worker processes, each call bounded by reward.timeout_s and a batch by
     reward.max_timeouts timed-out calls (load_reward_function); the built-in rules where it is unset."""
     pool = Pool(cfg_reward.max_concurrency, cfg_reward.max_timeouts)
-    return load_reward_function(cfg_reward.function, cfg_reward.timeout_s, stop, pool)
+    return load_reward_function(cfg_reward.function, cfg_reward.timeout_s, stop, pool, cfg_reward.function_style)
 
 
 class FunctionScorer:
@@ -141,8 +143,12 @@ class FunctionScorer:
         self.tokenizer, self.max_abs_score = setup.tokenizer, cfg_reward.max_abs_score
 
     def __call__(self, rows: list[dict], texts: list[str], ro=None) -> Scores:
-        results = call_reward(self.worker, verl_calls(rows, texts))  # (B,) each a return value or an exception
+        ids = None if ro is None else [r[m.bool()].tolist() for r, m in zip(ro.responses, ro.response_mask)]
+        results = function_results(self.worker, rows, texts, ids)  # (B,) each a return value or an exception
         scores = rule_scores(*read_scores(results, self.max_abs_score))
+        if scores.metrics.get("reward/no_reward") == 1.0:  # TRL's None for every sample: there is nothing to learn
+            raise RewardError(f"the reward function returned None (no reward) for all {len(texts)} samples of a batch, "
+                              f"so training would learn from zeros")
         if ro is not None and self.tokenizer is not None:  # step rewards, where the function returns them
             scores.token_rewards, metrics = load_target(STEP_REWARDS)(self.tokenizer, ro, results,  # (B, Tr)
                                                                       self.max_abs_score)
@@ -153,6 +159,8 @@ class FunctionScorer:
 # reward.sources' names → scorer (a feature folder's as "module:name", imported only by a run that names it)
 SCORERS = {"rule": RuleScorer, "function": FunctionScorer, "model": "scorers.model:RewardModelScorer.from_config",
            "judge": "scorers.judge:JudgeScorer", "remote": "scorers.remote:RemoteScorer"}
+# reward.function's batched calling conventions (verl's per-sample compute_score is verl_calls, here)
+REWARD_STYLES = {"trl": "scorers.function_styles:trl_style", "openrlhf": "scorers.function_styles:openrlhf_style"}
 STEP_REWARDS = "scorers.steps:step_rewards"  # a function's step rewards → (token rewards, metrics), imported on use
 # a source's check before any model loads (cfg_reward, trust_remote_code), where it has one
 CHECKS = {"model": "scorers.model:check_model_source", "judge": "scorers.judge:check_judge_source",
@@ -202,14 +210,15 @@ def rule_needing_truth(data_source, cfg_reward):
     return f"{rule.__module__.split('.')[-1]}.{rule.__name__}"
 
 
-# ---- a reward function, called as verl calls it
+# ---- a reward function, called as verl (or TRL, or OpenRLHF) calls it
 
 
-def load_reward_function(spec, timeout_s: float, stop=None, pool: Pool = Pool()):
+def load_reward_function(spec, timeout_s: float, stop=None, pool: Pool = Pool(), style: str = "auto"):
     """None → default_compute_score, called in this process; "path/to/file.py:name" (name defaults to
     compute_score, as in verl) → a FunctionWorker running that function in pool.max_concurrency processes, each call
     limited to timeout_s and a batch to pool.max_timeouts timed-out calls (`stop`: runs.StopSignal, so that a
-    preempted run does not wait for a hung call longer than that)."""
+    preempted run does not wait for a hung call longer than that), its calling convention as `.style`
+    (function_style; `style`: reward.function_style)."""
     if not spec:
         return default_compute_score
     path, sep, name = spec.rpartition(":")
@@ -218,9 +227,58 @@ def load_reward_function(spec, timeout_s: float, stop=None, pool: Pool = Pool())
     if not os.path.isfile(path):
         raise ConfigError(f"reward.function: file {path} does not exist (expected path/to/file.py:function_name)")
     try:
-        return FunctionWorker(path, name, timeout_s, stop, pool)
+        worker = FunctionWorker(path, name, timeout_s, stop, pool)
     except WorkerStartError as e:
         raise ConfigError(f"reward.function: {e}") from None
+    worker.style = function_style(worker.params, style)
+    return worker
+
+
+def function_style(params: list[str], style: str = "auto") -> str:
+    """A reward function's calling convention, by its parameter names (`params`: worker.parameters') where `style`
+    (reward.function_style) is "auto": "trl" with `completions` (TRL's reward_funcs), "openrlhf" with `queries`
+    (OpenRLHF's reward_func), else "verl" (compute_score, per sample)."""
+    if style != "auto":
+        return style
+    return "trl" if "completions" in params else "openrlhf" if "queries" in params else "verl"
+
+
+def function_results(compute_score, rows: list[dict], responses: list[str], completion_ids=None) -> list:
+    """One result per (row, response) from a reward function in its style (its `.style`, else read from its
+    parameters): verl's per sample (verl_calls), or a batched style's one call for the batch (REWARD_STYLES; only the
+    keywords it takes where it has no **kwargs; OpenRLHF's three by position, as OpenRLHF passes them, where its
+    parameters have other names) read back per sample; the call's exception is each sample's."""
+    style = getattr(compute_score, "style", None) or function_style(parameters(compute_score))
+    if style == "verl":
+        return call_reward(compute_score, verl_calls(rows, responses))
+    params = compute_score.params if isinstance(compute_score, FunctionWorker) else parameters(compute_score)
+
+    def call(kwargs: dict):  # the one call for the batch: its return value, or the exception it raised
+        if style == "openrlhf" and not set(kwargs) <= set(params):  # OpenRLHF passes them by position
+            kwargs = dict(zip([p for p in params if p != "**"], kwargs.values()))
+        taken = kwargs if "**" in params else {k: v for k, v in kwargs.items() if k in params}
+        return call_reward(compute_score, [taken])[0]
+    return load_target(REWARD_STYLES[style])(call, rows, responses, completion_ids)
+
+
+def check_sample_call(cfg_reward, row: dict) -> None:
+    """Before the policy loads: a batched reward.function (TRL's, OpenRLHF's) called once on `row`, the data's first,
+    with its ground truth as the response; a call that fails, or returns other than one reward for it, is a
+    ConfigError naming the file, the function and the error. (verl's per-sample functions are not called here: one
+    failing on every sample stops step 1 with its first error.)"""
+    if not cfg_reward.function:
+        return
+    worker = load_reward_function(cfg_reward.function, cfg_reward.timeout_s, style=cfg_reward.function_style)
+    try:
+        if worker.style != "verl":
+            for result in function_results(worker, [row], [str(row.get("ground_truth") or "")]):
+                if not (isinstance(result, dict) and result.get("no_reward")):
+                    as_score(result)
+    except Exception as e:
+        raise ConfigError(f"reward.function={cfg_reward.function}: the {worker.style}-style reward function failed "
+                          f"its sample call on the data's first row: {e}") from None
+    finally:
+        worker.close()
 
 
 def verl_calls(rows: list[dict], responses: list[str]) -> list[dict]:
@@ -305,8 +363,9 @@ def read_scores(results: list, max_abs_score: float = math.inf) -> tuple[list[fl
 def score_responses(compute_score, rows: list[dict], responses: list[str],
                     max_abs_score: float = math.inf) -> tuple[list[float], dict, int]:
     """Score each (row, response) with compute_score (a function here, or a FunctionWorker's in its processes) by
-    verl's keywords: (scores, extras, errors), read_scores' reading of call_reward(compute_score, verl_calls(…))."""
-    return read_scores(call_reward(compute_score, verl_calls(rows, responses)), max_abs_score)
+    its style's keywords (verl's, TRL's, OpenRLHF's): (scores, extras, errors), read_scores' reading of
+    function_results(compute_score, …)."""
+    return read_scores(function_results(compute_score, rows, responses), max_abs_score)
 
 
 # ---- failures: a sample's error scores 0, every sample's stops the run

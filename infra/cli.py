@@ -22,7 +22,7 @@ from typing import Literal, Optional
 import torch
 import yaml
 
-from infra import config, config_offline, config_rl
+from infra import config, config_offline, config_rl, verl_keys
 from infra.config import Config, ConfigError, FIXED_ON_RESUME, LENGTH_OF, RANGE_OF, RewardModelStage
 from infra.config_offline import DPOStage, SFTStage
 
@@ -198,6 +198,14 @@ def load_config(path: Optional[str] = None, overrides: tuple = (), root=Config):
                               f"got {shown(tree)[:80]}")
     other = {f.name for r in ROOTS if r is not root for f in dataclasses.fields(r)}
     tree = {k: v for k, v in tree.items() if k not in other}  # configs.yaml holds both entry points' sections
+    if "actor_rollout_ref" in tree:  # a verl YAML file: its keys are read as verl's launch line's
+        tree, overrides = {}, [*verl_keys.tree_items(tree), *overrides]
+    try:  # verl's launch keys and values, in this library's terms (infra/verl_keys.py), each said on the console
+        overrides, translated = verl_keys.translate_all(list(overrides), tree)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    for line in translated if os.environ.get("RANK", "0") == "0" else ():
+        print(line, flush=True)
     given = {}  # key → its value on the command line so far
     for item in overrides:
         if "=" not in item:

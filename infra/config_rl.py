@@ -239,6 +239,12 @@ class RewardConfig:
     """your reward (source function): path/to/file.py:name with verl's compute_score signature, returning a number or
     a dict with "score" (and, for rewards per token, "step_rewards" with "step_ends": the character offsets where
     each step ends); beside a reward model, judge or server, the task's rule of val/rule_score/mean"""
+    function_style: Literal["auto", "verl", "trl", "openrlhf"] = "auto"
+    """reward.function's calling convention: verl (compute_score(data_source, solution_str, ground_truth, extra_info),
+    per sample), trl (f(prompts, completions, **columns) → list[float | None], per batch: TRL's reward_funcs),
+    openrlhf (reward_func(queries, prompts, labels) → rewards or {"rewards", "scores", "extra_logs"}, per batch:
+    one call of the process's batch, which reward.timeout_s bounds as a whole); auto = trl where it has a
+    `completions` parameter, openrlhf where `queries`, else verl"""
     model_path: Optional[str] = None
     """reward model folder (AutoModelForSequenceClassification), for source model"""
     normalize: bool = False

@@ -106,12 +106,14 @@ class FunctionWorker:
     def __init__(self, path: str, name: str, timeout_s: float, stop=None, pool: Pool = Pool()):
         self.path, self.name, self.timeout_s, self.stop, self.pool = path, name, timeout_s, stop, pool
         self.slots, self.is_async = [self.spawn() for _ in range(pool.max_concurrency)], None  # importing together
+        self.params = []  # the function's parameter names, "**" where it takes **kwargs (parameters)
         while not all(slot.ready for slot in self.slots):
             i, message = self.next_answer(f"the import of {path}")
             if message[0] != "ready":
                 self.close()
                 raise WorkerStartError(message[1])
             self.slots[i].ready, self.slots[i].deadline, self.is_async = True, math.inf, message[1]
+            self.params = message[2]
 
     @property
     def proc(self) -> Optional[subprocess.Popen]:
@@ -305,6 +307,16 @@ def import_function(path: str, name: str, dicts: bool = False):
     return fn
 
 
+def parameters(fn) -> list[str]:
+    """fn's parameter names, and "**" where it takes **kwargs ([] where Python cannot read its signature): rewards.py
+    tells a reward function's calling convention by them."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [("**" if p.kind is p.VAR_KEYWORD else p.name) for p in params if p.kind is not p.VAR_POSITIONAL]
+
+
 def call_one(fn, kwargs: dict, timeout_s: float, key: str):
     """(status, value): ("ok", fn(**kwargs)), ("error", "<Type>: <message>"), or ("timeout", why) once interrupted
     after timeout_s."""
@@ -360,7 +372,7 @@ def serve(conn: Connection) -> None:
     except WorkerStartError as e:
         send(("error", str(e)))
         return
-    send(("ready", inspect.iscoroutinefunction(fn)))
+    send(("ready", inspect.iscoroutinefunction(fn), parameters(fn)))
     key = setup["key"]
     while True:
         try:

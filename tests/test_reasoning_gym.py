@@ -127,3 +127,84 @@ def test_prepared_rows_pass_ppos_start_up_checks_and_score_without_errors(tmp_pa
     answers = [f"<answer>{json.loads(r['ground_truth'])['entry']['answer']}</answer>" for r in rows]
     scores, extras, errors = rewards.score_responses(rewards.default_compute_score, rows, answers)
     assert stats["kept"] == 8 and errors == 0 and scores == [1.0] * 8 and extras["pred"] == [a[8:-9] for a in answers]
+
+
+# reasoning-gym's CompositeConfig YAML, as its docs write one (size and seed are --size and --seed here)
+COMPOSITE_YAML = """size: 100
+seed: 42
+datasets:
+  - name: leg_counting
+    weight: 2
+    config:
+      max_animals: 3
+  - name: basic_arithmetic
+    weight: 1
+    config:
+      min_terms: 2
+      max_terms: 3
+  - name: decimal_arithmetic
+    weight: 1
+    config:
+      max_num_decimal_places: 1
+      min_num_decimal_places: 1
+"""
+
+
+def test_composite_rows_score_as_reasoning_gyms_composite_scores_them(tmp_path):
+    """--task reasoning_gym:composite with reasoning-gym's own composite YAML: the rows are the entries of
+    create_dataset("composite", datasets=[DatasetSpec(…)]) in order, each task drawn by its weight, and every row
+    scores each response exactly as the composite's score_answer scores it (it forwards to the task's dataset, made
+    with the config the composite gave it: decimal_arithmetic's tolerance reads it)."""
+    import yaml
+    from reasoning_gym.composite import DatasetSpec
+    (tmp_path / "mix.yaml").write_text(COMPOSITE_YAML)
+    n, seed = 24, 7
+    prepare_data.main(["--task", "reasoning_gym:composite", "--task-config", str(tmp_path / "mix.yaml"), "--size",
+                       str(n), "--val-size", "4", "--seed", str(seed), "--output", str(tmp_path / "out")])
+    rows = [r for name in ("train", "val") for r in data.read_parquet(str(tmp_path / "out" / f"{name}.parquet"),
+                                                                      ["prompt"]).to_pylist()]
+    specs = [DatasetSpec(**d) for d in yaml.safe_load(COMPOSITE_YAML)["datasets"]]
+    theirs = reasoning_gym.create_dataset("composite", seed=seed, size=n, datasets=specs)
+    entries = {e["question"]: e for e in theirs}
+    assert len(rows) == n and {r["prompt"][-1]["content"] for r in rows} == set(entries)
+    assert {r["data_source"] for r in rows} == {f"reasoning_gym/{s.name}" for s in specs}  # all three drawn
+    wrong = []
+    for row in rows:
+        entry = entries[row["prompt"][-1]["content"]]
+        for response in responses(str(entry["answer"])):
+            want = outcome(lambda: float(theirs.score_answer(extract_answer(response), entry)))
+            got = outcome(lambda: rewards.default_compute_score(row["data_source"], response,
+                                                               row["ground_truth"])["score"])
+            if want != got:
+                wrong.append((row["data_source"], response[:60], want, got))
+    assert not wrong, wrong[:10]
+    for config, sentence in [('{"datasets": [{"name": "leg_countin", "weight": 1}]}', "refused the composite"),
+                             ('{"datasets": [{"task": "leg_counting"}]}', "datasets: a list of {name, weight, config}"),
+                             ('{"datasets": [{"name": "leg_counting", "weight": -1}]}', "refused the composite")]:
+        with pytest.raises(SystemExit, match=sentence):
+            prepare_data.main(["--task", "reasoning_gym:composite", "--task-config", config, "--size", "4",
+                               "--val-size", "1", "--output", str(tmp_path / "x")])
+    assert not os.path.exists(tmp_path / "x")
+
+
+def test_composite_rows_train_one_step_with_reasoning_gyms_scores(tmp_path):
+    """The composite's rows through ppo.py: the start-up checks pass (each task's rule is built in), one step runs on
+    the tiny model and the reward arrives from reasoning-gym's scoring without an error."""
+    import subprocess
+    import sys
+    from conftest import make_tiny_model, read_metrics, REPO
+    (tmp_path / "mix.yaml").write_text(COMPOSITE_YAML)
+    prepare_data.main(["--task", "reasoning_gym:composite", "--task-config", str(tmp_path / "mix.yaml"), "--size",
+                       "12", "--val-size", "2", "--system-prompt", "direct", "--output", str(tmp_path / "d")])
+    model = make_tiny_model(tmp_path / "model")
+    proc = subprocess.run(
+        [sys.executable, "ppo.py", "--config", "configs.yaml", f"model.path={model}",
+         f"data.train_files={tmp_path}/d/train.parquet", "data.val_files=null", "rollout.name=hf",
+         "rollout.max_response_length=8", "data.max_prompt_length=400", "data.truncation=left",
+         "data.train_batch_size=4", "rollout.n=2", "actor.ppo_mini_batch_size=4", "trainer.total_steps=1",
+         "trainer.save_freq=0", "trainer.test_freq=0", "trainer.sample_freq=0", "trainer.plot_curves=false",
+         "trainer.val_before_train=false", "trainer.max_kl=0", f"trainer.output_dir={tmp_path}/out",
+         "model.dtype=fp32"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    step = [line for line in read_metrics(tmp_path / "out") if line["step"] == 1][0]
+    assert step["reward/errors"] == 0 and "reward/rule/mean" in step
