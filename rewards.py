@@ -236,11 +236,12 @@ def load_reward_function(spec, timeout_s: float, stop=None, pool: Pool = Pool(),
 
 def function_style(params: list[str], style: str = "auto") -> str:
     """A reward function's calling convention, by its parameter names (`params`: worker.parameters') where `style`
-    (reward.function_style) is "auto": "trl" with `completions` (TRL's reward_funcs), "openrlhf" with `queries`
-    (OpenRLHF's reward_func), else "verl" (compute_score, per sample)."""
+    (reward.function_style) is "auto": "trl" with `completions` or `environments` (TRL's reward_funcs), "openrlhf"
+    with `queries` (OpenRLHF's reward_func), else "verl" (compute_score, per sample)."""
     if style != "auto":
         return style
-    return "trl" if "completions" in params else "openrlhf" if "queries" in params else "verl"
+    return ("trl" if {"completions", "environments"} & set(params) else "openrlhf" if "queries" in params
+            else "verl")
 
 
 def function_results(compute_score, rows: list[dict], responses: list[str], completion_ids=None) -> list:
@@ -264,13 +265,14 @@ def function_results(compute_score, rows: list[dict], responses: list[str], comp
 def check_sample_call(cfg_reward, row: dict) -> None:
     """Before the policy loads: a batched reward.function (TRL's, OpenRLHF's) called once on `row`, the data's first,
     with its ground truth as the response; a call that fails, or returns other than one reward for it, is a
-    ConfigError naming the file, the function and the error. (verl's per-sample functions are not called here: one
-    failing on every sample stops step 1 with its first error.)"""
+    ConfigError naming the file, the function and the error. (verl's per-sample functions, and TRL's that read the
+    `environments` only an episode makes, are not called here: one failing on every sample stops step 1 with its
+    first error.)"""
     if not cfg_reward.function:
         return
     worker = load_reward_function(cfg_reward.function, cfg_reward.timeout_s, style=cfg_reward.function_style)
     try:
-        if worker.style != "verl":
+        if worker.style != "verl" and "environments" not in worker.params:
             for result in function_results(worker, [row], [str(row.get("ground_truth") or "")]):
                 if not (isinstance(result, dict) and result.get("no_reward")):
                     as_score(result)

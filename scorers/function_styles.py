@@ -14,6 +14,7 @@ where call(kwargs) makes the one call for the batch and returns what it returned
 """
 import math
 import numbers
+from types import SimpleNamespace
 from typing import Callable, Optional
 
 
@@ -31,8 +32,9 @@ def trl_call(rows: list[dict], responses: list[str], completion_ids: Optional[li
     """TRL's keywords (GRPOTrainer._calculate_rewards): `prompts` as stored and `completions` — strings for standard
     data; for conversational data (the prompt stored as messages) message lists, [{"role": "assistant", "content":
     text}] or a multi-turn rollout's turns — `completion_ids` where the tokens are known, and every other column of
-    the data (rows' "columns", as stored), each a list over the batch. Not passed: trainer_state (no Trainer here)
-    and environments."""
+    the data (rows' "columns", as stored), each a list over the batch; `environments` where a TRL environment ran,
+    each sample's as it ended (its attributes, read as env.name; not its methods). Not passed: trainer_state (no
+    Trainer here)."""
     conversational = isinstance(rows[0]["prompt"], list)
     completions = [((row.get("conversation") or {}).get("turns") or [{"role": "assistant", "content": text}])
                    if conversational else text for row, text in zip(rows, responses)]
@@ -40,7 +42,9 @@ def trl_call(rows: list[dict], responses: list[str], completion_ids: Optional[li
     columns = {key: [(row.get("columns") or {}).get(key) for row in rows]
                for key in (rows[0].get("columns") or {}) if key not in mine}
     ids = {} if completion_ids is None else {"completion_ids": completion_ids}
-    return {**columns, "prompts": [row["prompt"] for row in rows], "completions": completions, **ids}
+    ended = [(row.get("conversation") or {}).get("environment") for row in rows]  # agents/multi_turn.py's record
+    envs = {"environments": [None if e is None else SimpleNamespace(**e) for e in ended]} if any(ended) else {}
+    return {**columns, "prompts": [row["prompt"] for row in rows], "completions": completions, **ids, **envs}
 
 
 def trl_results(returned, size: int) -> list:

@@ -140,6 +140,23 @@ def test_a_trl_environment_factory_class_runs_with_the_rows_own_columns(model, t
     assert "chat template ignores tool schemas" in proc.stdout and "increment" in proc.stdout
 
 
+def test_a_trl_reward_function_reads_the_environments_as_they_ended(model, tmp_path):
+    """TRL's reward function beside its environment_factory, as TRL's docs pair them: reward(environments, **kwargs)
+    reads each sample's environment as its episode ended. It pays 10·target, read from the environment (reset set
+    it from the row's column); get_reward() adds −target − max_tokens at the last turn: the step's reward is their
+    sum, so it holds only if each sample's own environment reached the function."""
+    (tmp_path / "trl_env.py").write_text(TRL_ENV)
+    (tmp_path / "trl_reward.py").write_text(
+        "def target_reward(environments, **kwargs):\n"
+        "    return [10.0 * env.target for env in environments]\n")
+    rows = [{"prompt": [{"role": "user", "content": "Count to the target."}], "target": t, "max_tokens": b}
+            for t, b in ((3, 1), (5, 2))]
+    proc = run_ppo(model, rows, f"{tmp_path}/trl_env.py:CounterEnv", tmp_path, turns=2,
+                   extra=[f"reward.function={tmp_path}/trl_reward.py:target_reward"])
+    step = one_step(proc, tmp_path)
+    assert step["reward/mean"] == pytest.approx((30 - 3 - 1 + 50 - 5 - 2) / 2)
+
+
 def test_trl_factories_a_function_a_lambda_a_partial_in_a_dict_routed_by_a_column(model, tmp_path):
     """A dict of TRL factories {name: function | lambda | functools.partial | class}, each row built by the one its
     env_class column names: each episode's reward is −scale·target − max_tokens with its factory's scale (2, 3, 4, 1),
