@@ -4,7 +4,7 @@ steps and optimiser, fp32 on the CPU.
     make prepare preferences                                     # models/SmolLM2-135M-Instruct, data/preferences
     python3 -m venv .venv-trl && .venv-trl/bin/pip install torch==2.13.0 && \
         .venv-trl/bin/pip install trl==1.12.0 transformers==5.19.0 peft   # once, as bench/trl_bench.py
-    .venv/bin/python bench/dpo_bench.py                          # 10 steps each, 2 threads
+    .venv/bin/python bench/dpo_bench.py                          # 20 steps each (make dpo's), 2 threads
 
 Prints one line per trainer, then their ratio:
     ours steps=N seconds_per_step=X peak_rss_mb=Y val_accuracy=A val_margin=M
@@ -12,7 +12,8 @@ Prints one line per trainer, then their ratio:
 seconds_per_step: the mean over steps 2..N−1 (step 1 is warm-up; the last step holds the final evaluation in ours):
 ours from metrics.jsonl's time/step_s, TRL's from the gaps between its `on_step_end` callbacks. peak_rss_mb: the
 child process's own peak (os.wait4). val_accuracy / val_margin: rewards/accuracies and rewards/margins on the first
-100 held-out pairs (data/preferences/val.parquet) after the last step, ours as val/rewards/*, TRL's from evaluate().
+100 held-out pairs (data/preferences/val.parquet) after the last step, ours as val/rewards/*, TRL's from evaluate()
+in one batch of 100 (TRL averages its batches' means: one batch makes it the mean over pairs, as ours).
 
 The workload, on both sides: SmolLM2-135M-Instruct, LoRA r=16, α=32, dropout 0 on the 7 projections of the top 8 of
 its 30 layers (the reference is the adapter switched off, on both sides), DPO's sigmoid loss, β=0.1, 16 pairs a step in
@@ -62,7 +63,7 @@ def trl_child(spec: dict) -> None:
 
     args = DPOConfig(
         output_dir=spec["output_dir"], max_steps=spec["steps"], per_device_train_batch_size=16,
-        gradient_accumulation_steps=1, per_device_eval_batch_size=16, learning_rate=5e-4, weight_decay=0.0,
+        gradient_accumulation_steps=1, per_device_eval_batch_size=VAL_PAIRS, learning_rate=5e-4, weight_decay=0.0,
         adam_beta1=0.9, adam_beta2=0.999, lr_scheduler_type="cosine_with_min_lr",
         lr_scheduler_kwargs={"min_lr_rate": 0.1}, warmup_steps=0.05, max_grad_norm=1.0, beta=0.1,
         loss_type=["sigmoid"], max_length=96, use_cpu=True, bf16=False, seed=1, logging_steps=1, report_to="none",
@@ -116,7 +117,7 @@ def line(name: str, steps: int, r: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=10, help="training steps on each side (≥ 3)")
+    parser.add_argument("--steps", type=int, default=20, help="training steps on each side (≥ 3)")
     parser.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of each child")
     parser.add_argument("--workdir", default="/tmp/dpo_bench")
     parser.add_argument("--child", help=argparse.SUPPRESS)
