@@ -12,9 +12,9 @@ its relatives IPO (Azar et al., 2023) and SimPO (Meng et al., 2024) in the table
     accelerate launch ppo.py --config configs.yaml model.path=outputs/dpo/final            # DPO → PPO
 
 The demo (make dpo: LoRA in the top 8 of SmolLM2-135M's 30 layers, β 0.1, lr 5e-4, 16 pairs a step, fp32) raised greedy
-val/score/mean on 200 arithmetic prompts from 0.48 to 0.805 in 20 steps, 2.5 minutes of training on 2 CPU cores, at 0.34×
-the time a step of TRL's DPOTrainer (bench/dpo_bench.py); a 40-step run fell back to 0.61 as the chosen answers'
-log-probs fell too, hence 20 steps (bench/RESULTS.md).
+val/score/mean on 200 arithmetic prompts from 0.48 to 0.805 in 20 steps, 2.5 minutes of training on 2 CPU cores,
+at 0.34× the time a step of TRL's DPOTrainer (bench/dpo_bench.py); a 40-step run fell back to 0.61 as the chosen
+answers' log-probs fell too, hence 20 steps (bench/RESULTS.md).
 
 The loss of a pair (x, y_w, y_l), y_w chosen, y_l rejected, with Δ(y) = log π(y|x) − log π_ref(y|x):
 
