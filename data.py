@@ -95,9 +95,19 @@ def tokenize_prompts(texts: list[str], tokenizer) -> list[list[int]]:
 
 def load_rl_dataset(path: str, tokenizer, max_prompt_length: int, truncation: str,
                     rule_of=None, default_source: str = "unknown") -> tuple[list[dict], dict]:
-    """Read RL prompts (ours or verl's layout) and tokenize them; returns (rows, stats). `rule_of(data_source)`: the
-    name of the rule that will compare its responses with the ground truth, or None (check_ground_truth);
-    default_source: the data_source of a row without one ("environment" where an environment scores the rows).
+    """Read RL prompts (ours or verl's layout) and tokenize them (prompt_rows); returns (rows, stats)."""
+    if truncation not in ("error", "left", "filter"):
+        raise DataError(f"data.truncation must be error, left or filter, got {truncation!r}")
+    return prompt_rows(read_parquet(path, ["prompt"]).to_pylist(), path, tokenizer, max_prompt_length, truncation,
+                       rule_of, default_source)
+
+
+def prompt_rows(raw: list[dict], where: str, tokenizer, max_prompt_length: int, truncation: str,
+                rule_of=None, default_source: str = "unknown") -> tuple[list[dict], dict]:
+    """Stored rows (`where`: their file, for messages) checked and tokenized; returns (rows, stats). `rule_of(
+    data_source)`: the name of the rule that will compare its responses with the ground truth, or None
+    (check_ground_truth); default_source: the data_source of a row without one ("environment" where an environment
+    scores the rows).
 
     rows: {"prompt_ids", "prompt_text", "ground_truth", "data_source", "extra_info", "prompt" (as stored, for a
     reward model that renders it with its own template), "columns" (every column of the stored row, as stored: what
@@ -106,24 +116,21 @@ def load_rl_dataset(path: str, tokenizer, max_prompt_length: int, truncation: st
     A prompt over max_prompt_length tokens: truncation="error" raises, "left" keeps its last tokens (prompt_text
     is then their decoding), "filter" drops the row.
     """
-    if truncation not in ("error", "left", "filter"):
-        raise DataError(f"data.truncation must be error, left or filter, got {truncation!r}")
-    table = read_parquet(path, ["prompt"])
-    raw, texts = table.to_pylist(), []
+    texts = []
     for i, row in enumerate(raw):
-        check_prompt(row["prompt"], f"{path} row {i}: ")
-        check_ground_truth(row, f"{path} row {i}: ", rule_of, default_source)
+        check_prompt(row["prompt"], f"{where} row {i}: ")
+        check_ground_truth(row, f"{where} row {i}: ", rule_of, default_source)
         if not isinstance(row["prompt"], str) and tokenizer.chat_template is None:
-            raise DataError(f"{path} row {i}: the prompt is a list of chat messages but the tokenizer has no "
+            raise DataError(f"{where} row {i}: the prompt is a list of chat messages but the tokenizer has no "
                             f"chat_template; use a tokenizer with one (model.tokenizer_path) or store prompts as text")
         texts.append(render_prompt(row["prompt"], tokenizer))
     rows, truncated, filtered = [], 0, 0
     for i, (row, text, ids) in enumerate(zip(raw, texts, tokenize_prompts(texts, tokenizer))):
         if not ids:
-            raise DataError(f"{path} row {i}: the prompt is 0 tokens once rendered; give it some text")
+            raise DataError(f"{where} row {i}: the prompt is 0 tokens once rendered; give it some text")
         if len(ids) > max_prompt_length:
             if truncation == "error":
-                raise DataError(f"{path} row {i}: the prompt is {len(ids)} tokens, more than data.max_prompt_length="
+                raise DataError(f"{where} row {i}: the prompt is {len(ids)} tokens, more than data.max_prompt_length="
                                 f"{max_prompt_length}; raise data.max_prompt_length, or set data.truncation=left "
                                 f"(keep the last tokens) or data.truncation=filter (drop such rows)")
             if truncation == "filter":
@@ -135,7 +142,7 @@ def load_rl_dataset(path: str, tokenizer, max_prompt_length: int, truncation: st
                      "data_source": row.get("data_source") or default_source, "extra_info": row.get("extra_info") or {},
                      "prompt": row["prompt"], "columns": row})
     if not rows:
-        raise DataError(f"{path}: all {len(raw)} prompts are longer than data.max_prompt_length={max_prompt_length} "
+        raise DataError(f"{where}: all {len(raw)} prompts are longer than data.max_prompt_length={max_prompt_length} "
                         f"and were filtered; raise data.max_prompt_length")
     return rows, {"rows": len(raw), "kept": len(rows), "truncated": truncated, "filtered": filtered}
 

@@ -103,6 +103,7 @@ from kl import distillation_rewards, KLController, kl_estimate, kl_penalty_rewar
 from losses import agg_loss, Clip, Counts, mini_batch_counts, POLICY_LOSSES, policy_loss_mask, rollout_is_weights
 from data import load_prompts
 from rewards import check_data_sources, check_reward_inputs, check_sample_call, rule_needing_truth, score_samples, Scorer
+from reward_rules.reasoning_gym_curriculum import Curriculum
 from rollout import check_rollout, check_turns, make_rollout, rollout_is_level, RunAhead
 from validation import check_best_metric, held_out_perplexity, reference_text, validate
 
@@ -306,13 +307,15 @@ def check_names(cfg) -> None:
 @dataclass(frozen=True)
 class Inputs:
     """What check_inputs reads: tokenizer, prompts, the sizes they were checked for, with rollout.multi_turn the
-    started environment's settings (rollout.check_turns), and val/perplexity's text (validation.References)."""
+    started environment's settings (rollout.check_turns), val/perplexity's text (validation.References), and with
+    data.curriculum the reasoning-gym curriculum that makes train_rows."""
     tokenizer: object
     train_rows: list
     val_rows: list
     sizes: Sizes
     turns: object
     references: object
+    curriculum: object
 
 
 def check_inputs(cfg, num_processes: int, print0=print) -> Inputs:
@@ -329,9 +332,11 @@ def check_inputs(cfg, num_processes: int, print0=print) -> Inputs:
     check_loggers(cfg.trainer.logger, "trainer.logger")
     fsdp_from_launcher()
     tokenizer = policy_tokenizer(cfg.model)
-    train_rows, val_rows = load_prompts(cfg.data, tokenizer, print0,  # with an environment, rows need no data_source
-                                        rule_of=functools.partial(rule_needing_truth, cfg_reward=cfg.reward),
-                                        default_source="environment" if cfg.rollout.multi_turn.env else "unknown")
+    curriculum = Curriculum(cfg.data.curriculum, cfg.data, tokenizer, cfg.trainer.seed, print0) \
+        if cfg.data.curriculum else None  # reasoning-gym's: its rows, made at the levels of its tasks
+    train_rows, val_rows = (curriculum.rows, curriculum.val_rows) if curriculum else load_prompts(
+        cfg.data, tokenizer, print0, rule_of=functools.partial(rule_needing_truth, cfg_reward=cfg.reward),
+        default_source="environment" if cfg.rollout.multi_turn.env else "unknown")  # environments: no data_source
     sizes = check_sizes(cfg, num_processes, len(train_rows))
     check_data_sources({r["data_source"] for r in train_rows + val_rows}, cfg.reward)  # each has a rule
     check_sample_call(cfg.reward, train_rows[0])  # a TRL or OpenRLHF reward function takes its keywords
@@ -339,7 +344,7 @@ def check_inputs(cfg, num_processes: int, print0=print) -> Inputs:
     references = reference_text(cfg, val_rows, tokenizer)  # val/perplexity's text (data.val_reference)
     check_best_metric(cfg, {r["data_source"] for r in val_rows}, turns.metric_names() if turns else (), references)
     print0(describe_guards(cfg) + "\nval/perplexity: " + references.source)
-    return Inputs(tokenizer, train_rows, val_rows, sizes, turns, references)
+    return Inputs(tokenizer, train_rows, val_rows, sizes, turns, references, curriculum)
 
 
 def check_only(cfg, num_processes: int) -> str:
@@ -386,7 +391,8 @@ def main(cfg: config.Config):
     cut = StopAtMicroBatch(functools.partial(stop_signal.received, accelerator))
 
     # ---- state, resume
-    state = TrainState(KLController.from_config(alg.kl_ctrl), {"actor": actor_sched, "critic": critic_sched})
+    state = TrainState(KLController.from_config(alg.kl_ctrl), {"actor": actor_sched, "critic": critic_sched},
+                       inputs.curriculum)
     checkpointed = {"policy": (policy, actor_opt),  # {name: (model, optimiser)} saved beside state.json
                     **({"critic": (critic, critic_opt)} if critic is not None else {})}
     logger = resume(accelerator, cfg, resume_from, checkpointed, state)
@@ -436,6 +442,8 @@ def main(cfg: config.Config):
                                           seed=step_seed(t.seed, step, rank + world * rounds))
             with timed(times, "time/reward_s"):  # 3. the prompts' rows n times, their responses scored
                 got, scored = score([row for row in rows for _ in range(n)], ro)
+            if inputs.curriculum:  # reasoning-gym's: each sample's correctness into its task's window
+                inputs.curriculum.record(got.rows, got.texts, accelerator)
             varied = varied_groups(got.scores, n) if alg.filter_groups.enable else torch.ones(len(rows)).bool()
             kept.append(got.take(varied.repeat_interleave(n).nonzero()[:, 0].tolist()))  # the prompts kept
             for key, value in {**scored, "sampling/varied_frac": varied.float().mean().item()}.items():
@@ -520,7 +528,7 @@ def main(cfg: config.Config):
 
         # ---- 9. log: means (maxima for *_max) over this process's batch and micro-batches, then over processes
         metrics.update({**batch_metrics(scores, token_rewards, lengths, truncated), "kl/coef": beta, **stats,
-                        **mask_metrics})
+                        **mask_metrics, **(inputs.curriculum.update(step) if inputs.curriculum else {})})
         if critic is not None:
             metrics.update(value_metrics(batch["old_values"], batch["returns"], response_mask, reduce_sum))
         metrics = reduce_metrics(accelerator, metrics)

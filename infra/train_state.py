@@ -25,21 +25,23 @@ def step_seed(seed: int, step: int, stream: int) -> int:
 
 class TrainState:
     """What a checkpoint of ppo.py needs beyond weights and optimiser states, as plain data: the step, the data
-    position, β (kl_ctrl: kl.KLController), recent KL, how far each LR schedule has gone, the best validation and
-    the rollbacks so far."""
+    position, β (kl_ctrl: kl.KLController), recent KL, how far each LR schedule has gone, the best validation, the
+    rollbacks so far, and a reasoning-gym curriculum's levels."""
 
-    def __init__(self, kl_ctrl, schedulers: dict):
+    def __init__(self, kl_ctrl, schedulers: dict, curriculum=None):
         self.step, self.epoch, self.position, self.skipped, self.kl_ctrl = 0, 0, 0, 0, kl_ctrl
         self.recent_kl = []  # kl/mean of the last trainer.max_kl_window steps, for the guard
         self.schedulers = {name: s for name, s in schedulers.items() if s is not None}
         self.best, self.rollbacks = None, 0  # best: {"step", "value"} of trainer.best_metric, saved in best/
         self.pretrained = None  # trainer.best_metric at the validation before training
+        self.curriculum = curriculum  # data.curriculum's levels and windows, or None
 
     def state_dict(self):
         return {"step": self.step, "epoch": self.epoch, "position": self.position, "skipped": self.skipped,
                 "kl_coef": self.kl_ctrl.value, "recent_kl": self.recent_kl, "best": self.best,
                 "rollbacks": self.rollbacks, "pretrained": self.pretrained,
-                "lr_steps": {name: s.last_epoch for name, s in self.schedulers.items()}}
+                "lr_steps": {name: s.last_epoch for name, s in self.schedulers.items()},
+                **({"curriculum": self.curriculum.state_dict()} if self.curriculum else {})}
 
     def load_state_dict(self, s):
         self.step, self.epoch, self.position, self.skipped = s["step"], s["epoch"], s["position"], s["skipped"]
@@ -48,6 +50,8 @@ class TrainState:
         self.pretrained = s.get("pretrained")
         for name, scheduler in self.schedulers.items():
             restore_schedule(scheduler, s["lr_steps"][name])
+        if self.curriculum and "curriculum" in s:
+            self.curriculum.load_state_dict(s["curriculum"])
 
     def next_prompts(self, num_rows: int, batch_size: int, seed: int, shuffle: bool) -> list[int]:
         """The next `batch_size` row indices of a seeded per-epoch permutation (the last partial batch is dropped)."""

@@ -1,0 +1,228 @@
+"""reasoning-gym's curricula as ppo.py's training rows: data.curriculum names a YAML file written as reasoning-gym's
+own training configs write it (training/configs/curriculum/*.yaml: a `curriculum:` block, and `reasoning_gym:` with
+dataset_size and developer_prompt; the block alone, or reasoning-gym's CurriculumExperimentConfig YAML, will do too).
+
+    curriculum:
+      enabled: True
+      schedule: {automatic: False, update_steps: 30}  # automatic: every task one level up every update_steps steps
+      last_k: 20                # a task's window: its last k training samples
+      success_threshold: 0.70   # a full window with a mean above it: the task one level up, its window emptied
+      failure_threshold: 0.10   # below it: one level down
+      curricula:
+        spell_backward: {attribute_levels: {word_len: 0}, weight: 1.0}   # "*": every attribute
+
+As reasoning-gym's trainer does (training/train_grpo.py, training/trainers/ray_grpo_trainer.py): the rows are the
+entries of reasoning_gym.coaching.CurriculumExperiment(config, size=dataset_size) — entry i a task drawn by weight,
+then its entry i at the task's current level — each prompt the developer prompt (reasoning_gym.utils.SYSTEM_PROMPTS)
+and the question; validation is the same composite at the starting levels with another seed; a sample's
+correctness is the task's score_answer on the answer in <answer> tags (the rule reasoning_gym/*, whatever
+reward.sources add); a level moves with BaseCurriculum.increment_global_level / decrement_global_level through the
+experiment's update_difficulty, after a step, and a task's rows are made again at its new level (the same indices:
+the data order does not change). The levels and windows are saved in checkpoints (state.json).
+
+Departures: the tasks' datasets are seeded (trainer.seed + i + 1 for the i-th task, as reasoning-gym's composite
+seeds a spec without a seed; validation trainer.seed + 1), where CurriculumExperiment leaves them random, so that
+every process and a resumed run make the same rows; the samples of all processes fill the windows in process order;
+a window's mean is over all of it (reasoning-gym's trainer takes its first difficulty group's, the same once the
+level has held for last_k samples); a level whose prompts do not fit data.max_prompt_length (data.truncation=error)
+is not entered: the task stays, with a console line.
+"""
+import dataclasses
+import difflib
+import os
+
+import yaml
+from accelerate.utils import gather_object
+
+from data import DataError, prompt_rows
+from reward_rules.reasoning_gym_rules import reasoning_gym_score
+
+BLOCK_KEYS = {"enabled", "schedule", "last_k", "success_threshold", "failure_threshold", "curricula"}
+DEFAULTS = {"enabled": True, "schedule": {"automatic": False, "update_steps": 30}, "last_k": 20,
+            "success_threshold": 0.70, "failure_threshold": 0.10}  # reasoning-gym's spell_backward.yaml
+GYM_DEFAULTS = {"dataset_size": 20000, "developer_prompt": "DeepSeekZero"}  # its training configs' values
+
+
+def read_spec(path: str) -> dict:
+    """The curriculum block of `path` with DEFAULTS filled in, and its `reasoning_gym:` dataset_size and
+    developer_prompt (GYM_DEFAULTS where absent); a DataError naming the file and the key for anything else."""
+    where = f"data.curriculum={path}"
+    try:
+        with open(path) as f:
+            tree = yaml.safe_load(f)
+    except OSError as e:
+        raise DataError(f"{where}: cannot be read ({e.strerror or e})") from None
+    except yaml.YAMLError as e:
+        raise DataError(f"{where}: is not YAML ({' '.join(str(e).split())[:200]})") from None
+    whole = isinstance(tree, dict) and "curriculum" in tree  # a whole training config: its other keys are verl's
+    block, gym = (tree["curriculum"], tree.get("reasoning_gym") or {}) if whole else (tree, {})
+    if not isinstance(block, dict) or not isinstance(gym, dict):
+        raise DataError(f"{where}: holds no curriculum: mapping (reasoning-gym's block with curricula:)")
+    if set(block) - BLOCK_KEYS:
+        raise DataError(f"{where}: unknown key {sorted(set(block) - BLOCK_KEYS)[0]!r} in the curriculum block; it "
+                        f"takes {', '.join(sorted(BLOCK_KEYS))}")
+    spec = {**DEFAULTS, **block, "schedule": {**DEFAULTS["schedule"], **(block.get("schedule") or {})},
+            **{key: gym.get(key, value) for key, value in GYM_DEFAULTS.items()}}
+    check_spec(spec, where)
+    return spec
+
+
+def check_spec(spec: dict, where: str) -> None:
+    """Every value of the spec as reasoning-gym would take it, or a DataError naming it."""
+    from reasoning_gym.factory import CURRICULA
+    from reasoning_gym.utils import SYSTEM_PROMPTS
+    numbers = {"last_k": (int, 1, None), "success_threshold": (float, 0, 1), "failure_threshold": (float, 0, 1),
+               "dataset_size": (int, 1, None)}
+    for key, (kind, low, high) in numbers.items():
+        value = spec[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)) \
+                or value < low or (high is not None and value > high):
+            raise DataError(f"{where}: {key} must be {'an integer' if kind is int else 'a number'} ≥ {low}"
+                            f"{f' and ≤ {high}' if high is not None else ''}, got {value!r}")
+    if spec["enabled"] is not True:
+        raise DataError(f"{where}: curriculum.enabled is {spec['enabled']!r}: nothing to run; unset data.curriculum")
+    automatic, every = spec["schedule"].get("automatic"), spec["schedule"].get("update_steps")
+    if not isinstance(automatic, bool) or isinstance(every, bool) or not isinstance(every, int) or every < 1 \
+            or set(spec["schedule"]) - {"automatic", "update_steps"}:
+        raise DataError(f"{where}: schedule takes automatic (true or false) and update_steps (an integer ≥ 1), got "
+                        f"{spec['schedule']}")
+    if spec["developer_prompt"] not in SYSTEM_PROMPTS:
+        raise DataError(f"{where}: reasoning_gym.developer_prompt {spec['developer_prompt']!r} is not one of "
+                        f"reasoning-gym's SYSTEM_PROMPTS: {', '.join(SYSTEM_PROMPTS)}")
+    curricula = spec.get("curricula")
+    if not isinstance(curricula, dict) or not curricula:
+        raise DataError(f"{where}: curricula must map each task to {{attribute_levels, weight}}, got {curricula!r}")
+    for task, entry in curricula.items():
+        if task not in CURRICULA:
+            near = difflib.get_close_matches(str(task), CURRICULA, n=3)
+            raise DataError(f"{where}: reasoning-gym has no curriculum for {task!r}" +
+                            (f"; did you mean {', '.join(near)}?" if near else ""))
+        levels = entry.get("attribute_levels") if isinstance(entry, dict) else None
+        weight = entry.get("weight", 1.0) if isinstance(entry, dict) else None
+        if not isinstance(levels, dict) or not levels or set(entry) - {"attribute_levels", "weight"} or isinstance(
+                weight, bool) or not isinstance(weight, (int, float)) or weight < 0:
+            raise DataError(f"{where}: curricula.{task} takes attribute_levels (a mapping, not empty) and weight "
+                            f"(≥ 0), got {entry!r}")
+        attributes = CURRICULA[task]().attributes
+        for name, level in levels.items():
+            if name != "*" and name not in attributes:
+                raise DataError(f"{where}: curricula.{task}.attribute_levels.{name}: {task}'s attributes are "
+                                f"{', '.join(attributes)} (or * for all)")
+            top = min(len(a.levels) for a in attributes.values()) if name == "*" else len(attributes[name].levels)
+            if isinstance(level, bool) or not isinstance(level, int) or not 0 <= level < top:
+                raise DataError(f"{where}: curricula.{task}.attribute_levels.{name} must be a level from 0 to "
+                                f"{top - 1}, got {level!r}")
+    if spec["failure_threshold"] > spec["success_threshold"]:
+        raise DataError(f"{where}: failure_threshold {spec['failure_threshold']} is above success_threshold "
+                        f"{spec['success_threshold']}")
+
+
+class Curriculum:
+    """The training rows of a reasoning-gym curriculum (`rows`, a list that draw_prompts indexes, remade in place for
+    a task whose level moves), its validation rows, and the windows that move the levels."""
+
+    def __init__(self, path: str, cfg_data, tokenizer, seed: int, print0=print):
+        from reasoning_gym.coaching import CurriculumAttributeConfig, CurriculumExperiment, CurriculumExperimentConfig
+        from reasoning_gym.composite import CompositeDataset
+        from reasoning_gym.utils import SYSTEM_PROMPTS
+        if cfg_data.truncation == "filter":
+            raise DataError(f"data.curriculum={path}: data.truncation=filter would drop rows as the levels rise; set "
+                            f"data.truncation=error (a level whose prompts are too long is not entered) or left")
+        self.spec, self.path, self.tokenizer, self.cfg_data = read_spec(path), path, tokenizer, cfg_data
+        self.system, self.print0 = SYSTEM_PROMPTS[self.spec["developer_prompt"]], print0
+        config = CurriculumExperimentConfig(curricula={task: CurriculumAttributeConfig(**entry)
+                                                       for task, entry in self.spec["curricula"].items()})
+        self.experiment = CurriculumExperiment(os.path.basename(path), config, self.spec["dataset_size"], seed=seed)
+        self.tasks = list(self.spec["curricula"])
+        starting = self.experiment.composite.config
+        for i, task in enumerate(self.tasks):  # departure: seeded, every process alike
+            self.experiment.composite.update_dataset_config(task, {"seed": seed + i + 1})
+        val_specs = [dataclasses.replace(d, config={**d.config, "seed": seed + 1 + i + 1})
+                     for i, d in enumerate(starting.datasets)]
+        val_size = min(cfg_data.val_max_samples or self.spec["dataset_size"], self.spec["dataset_size"])
+        val = CompositeDataset(dataclasses.replace(starting, seed=seed + 1, size=val_size, datasets=val_specs))
+        self.rows = self.make_rows(self.experiment.composite, range(self.spec["dataset_size"]))
+        self.val_rows = self.make_rows(val, range(val_size))
+        self.windows = {task: [] for task in self.tasks}  # each task's last last_k correctness scores
+        print0(f"train prompts: reasoning-gym's curriculum {path}: {len(self.rows)} rows of "
+               f"{', '.join(self.tasks)} at levels {self.levels()}; val prompts: {len(self.val_rows)} at those levels "
+               f"(data.train_files and data.val_files are not read)")
+
+    def make_rows(self, composite, indices, task=None) -> list:
+        """Rows for the composite's entries at `indices` (of `task` only, where given), tokenized as data.py does."""
+        from tools.prepare_data import reasoning_gym_row
+        raw = []
+        for i in indices:
+            entry = composite[i]
+            name = entry["metadata"]["source_dataset"]
+            dataset = composite.datasets[name]
+            config = {**dataclasses.asdict(dataset.config), "seed": dataset.seed, "size": dataset.size}
+            raw.append(reasoning_gym_row(name, config, dataset, entry, i, self.system, []))
+        return prompt_rows(raw, f"data.curriculum={self.path}{f' ({task})' if task else ''}", self.tokenizer,
+                           self.cfg_data.max_prompt_length, self.cfg_data.truncation)[0]
+
+    def levels(self) -> dict:
+        return {task: self.experiment.curricula[task].get_max_level() for task in self.tasks}
+
+    def record(self, rows: list, texts: list, accelerator) -> None:
+        """Each sample's correctness into its task's window, the samples of every process in process order."""
+        mine = [(row["data_source"].removeprefix("reasoning_gym/"), reasoning_gym_score(text, row["ground_truth"])[
+            "score"]) for row, text in zip(rows, texts)]
+        for task, score in gather_object(mine) if accelerator.num_processes > 1 else mine:
+            self.windows[task] = (self.windows[task] + [score])[-self.spec["last_k"]:]
+
+    def update(self, step: int) -> dict:
+        """After a step: each task's level moved as the windows (or the automatic schedule) say; returns the metrics
+        curriculum/<task>/level and curriculum/<task>/accuracy (its window's mean, before any move)."""
+        s, metrics = self.spec, {}
+        for task in self.tasks:
+            window = self.windows[task]
+            metrics[f"curriculum/{task}/level"] = self.levels()[task]
+            if window:
+                metrics[f"curriculum/{task}/accuracy"] = sum(window) / len(window)
+            if s["schedule"]["automatic"] and window and step % s["schedule"]["update_steps"] == 0:
+                self.move(task, "increment", f"schedule.automatic at step {step}")
+            elif not s["schedule"]["automatic"] and len(window) >= s["last_k"]:
+                mean, said = sum(window) / len(window), f"accuracy {sum(window) / len(window):.2f} over {len(window)}"
+                if mean > s["success_threshold"] or mean < s["failure_threshold"]:
+                    self.move(task, "increment" if mean > s["success_threshold"] else "decrement", said)
+        return metrics
+
+    def move(self, task: str, method: str, why: str) -> None:
+        """The task one level up or down (reasoning-gym's update_difficulty, its window emptied) and its rows made
+        again; a level whose prompts are too long is left again, with a console line."""
+        curriculum, before = self.experiment.curricula[task], self.levels()[task]
+        saved = {name: curriculum.get_attr_level(name) for name in curriculum.attributes}
+        self.windows[task] = []
+        self.experiment.update_difficulty(task, method)
+        if self.levels()[task] == before:
+            return
+        indices = [i for i, row in enumerate(self.rows) if row["data_source"] == f"reasoning_gym/{task}"]
+        try:
+            for i, row in zip(indices, self.make_rows(self.experiment.composite, indices, task)):
+                self.rows[i] = row
+        except DataError as e:
+            for name, level in saved.items():
+                curriculum.set_attr_level(name, level)
+            self.experiment.composite.update_dataset_config(task, curriculum.get_global_level())
+            self.print0(f"curriculum: {task} stays at level {before}: {e}")
+            return
+        self.print0(f"curriculum: {task} level {before} → {self.levels()[task]} ({why})")
+
+    def state_dict(self) -> dict:
+        return {"levels": {task: {name: c.get_attr_level(name) for name in c.attributes}
+                           for task, c in self.experiment.curricula.items()}, "windows": self.windows}
+
+    def load_state_dict(self, saved: dict) -> None:
+        """The levels and windows of a checkpoint, the rows of each task whose level differs made again."""
+        self.windows = {task: list(saved["windows"].get(task, [])) for task in self.tasks}
+        for task, levels in saved["levels"].items():
+            curriculum = self.experiment.curricula[task]
+            if all(curriculum.get_attr_level(name) == level for name, level in levels.items()):
+                continue
+            for name, level in levels.items():
+                curriculum.set_attr_level(name, level)
+            self.experiment.composite.update_dataset_config(task, curriculum.get_global_level())
+            indices = [i for i, row in enumerate(self.rows) if row["data_source"] == f"reasoning_gym/{task}"]
+            for i, row in zip(indices, self.make_rows(self.experiment.composite, indices, task)):
+                self.rows[i] = row
