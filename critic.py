@@ -1,10 +1,14 @@
-"""The critic's losses and diagnostics: the clipped value loss and explained variance. Its values make GAE's
-advantages (advantages.gae); the value model itself (a scalar head on every token) is built by
-infra/models.load_critic.
+"""The critic's losses and diagnostics: the clipped value loss, ppo.py's CriticLoss (step 7's loss of the critic)
+and explained variance. Its values make GAE's advantages (advantages.gae); the value model itself (a scalar head on
+every token) is built by infra/models.load_critic.
 """
+from dataclasses import dataclass
+
 import torch
 
 from advantages import masked_mean
+from infra.batches import Forward
+from losses import agg_loss, Counts
 
 
 def value_loss(values, old_values, returns, response_mask, cliprange: float):
@@ -18,6 +22,25 @@ def value_loss(values, old_values, returns, response_mask, cliprange: float):
     loss2 = (values_clipped - returns).square()
     clipfrac = ((loss2 > loss1).float() * response_mask).sum() / response_mask.sum().clamp(min=1)
     return 0.5 * torch.max(loss1, loss2), clipfrac
+
+
+@dataclass(frozen=True)
+class CriticLoss:
+    """vf_coef · clipped value loss: a micro-batch's share of the mini-batch's token-mean, and its metrics."""
+    fwd: Forward
+    cliprange_value: float
+    vf_coef: float
+
+    @classmethod
+    def from_config(cls, cfg, fwd: Forward):
+        return cls(fwd, cfg.critic.cliprange_value, cfg.critic.vf_coef)
+
+    def __call__(self, critic, micro: dict, counts: Counts):
+        mask = micro["response_mask"].float()
+        values = self.fwd.values(critic, micro)  # (B, Tr)
+        vf, clipfrac = value_loss(values, micro["old_values"], micro["returns"], mask, self.cliprange_value)
+        metrics = {"loss/value": masked_mean(vf.detach(), mask).item(), "value/clipfrac": clipfrac.item()}
+        return self.vf_coef * agg_loss(vf, mask, "token-mean", counts), metrics
 
 
 def explained_variance(values, returns, response_mask, reduce_sum=None) -> float:

@@ -147,6 +147,10 @@ def prompt_rows(raw: list[dict], where: str, tokenizer, max_prompt_length: int, 
     return rows, {"rows": len(raw), "kept": len(rows), "truncated": truncated, "filtered": filtered}
 
 
+# data.curriculum: what makes the training rows as a run goes, instead of train_files (infra.config.load_target)
+CURRICULUM = "agents.reasoning_gym:Curriculum"  # reasoning-gym's curricula
+
+
 def load_prompts(cfg_data, tokenizer, print0, rule_of=None, default_source: str = "unknown") -> tuple[list, list]:
     """Training and validation prompts, tokenised once (load_rl_dataset), with their counts printed."""
     train_rows, stats = load_rl_dataset(cfg_data.train_files, tokenizer, cfg_data.max_prompt_length,
@@ -159,6 +163,12 @@ def load_prompts(cfg_data, tokenizer, print0, rule_of=None, default_source: str 
         val_rows = val_rows[:cfg_data.val_max_samples or None]
         print0(f"val prompts: {stats}, using {len(val_rows)}")
     return train_rows, val_rows
+
+
+def draw_prompts(state, train_rows: list, cfg, rank: int, count: int) -> list[dict]:
+    """Step 1: the next global batch of the seeded data order (state's position moves on), this process's `count`."""
+    inds = state.next_prompts(len(train_rows), cfg.data.train_batch_size, cfg.trainer.seed, cfg.data.shuffle)
+    return [train_rows[i] for i in inds[rank * count:(rank + 1) * count]]
 
 
 # ---- writing

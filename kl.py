@@ -8,8 +8,12 @@ Two places a KL term can enter PPO for language models:
 The per-token KL is estimated from samples of the policy with the estimators of
 John Schulman, "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html .
 """
-import torch
+import dataclasses
 
+import torch
+from accelerate.utils import extract_model_from_parallel as unwrap_model
+
+from infra.batches import Forward
 from infra.rollout_common import add_token_rewards
 
 
@@ -84,3 +88,16 @@ def distillation_rewards(token_rewards, batch: dict, teacher_cfg):
         return token_rewards
     kl_teacher = kl_estimate(batch["old_logprobs"], batch["teacher_logprobs"], teacher_cfg.kl_estimator)  # (B, Tr)
     return add_token_rewards(token_rewards, -teacher_cfg.coef * kl_teacher)
+
+
+def ref_logprobs(ref, policy, micro, fwd: Forward):
+    """log π_ref(y_t | prefix), (B, Tr): the reference model's, or with LoRA the actor's with its adapter disabled."""
+    if ref is not None:
+        return fwd.logprobs(ref, micro)[0]
+    with unwrap_model(policy).disable_adapter():
+        return fwd.logprobs(unwrap_model(policy), micro)[0]
+
+
+def teacher_logprobs(teacher, micro, fwd: Forward):
+    """log π_teacher(y_t | prefix), (B, Tr): from the teacher's own layers, never the policy's trunk."""
+    return dataclasses.replace(fwd, trunk=None).logprobs(teacher, micro)[0]

@@ -65,7 +65,6 @@ The batch, a dict of tensors with one row per sequence, filled step by step (mic
     loss_mask                    (B, Tr)  6. the tokens the policy loss sees: response_mask less the responses that
                                              reward.overlong_filter drops and the tokens algorithm.rollout_rs rejects
 """
-import dataclasses
 import functools
 import os
 import signal
@@ -77,18 +76,17 @@ from typing import Callable, Optional
 
 import torch
 from accelerate.utils import set_seed
-from accelerate.utils import extract_model_from_parallel as unwrap_model
 from tqdm import tqdm
 
 import advantages
 import kl
 from advantages import COMPARES_SAMPLES, masked_mean, NEEDS_CRITIC, varied_groups
-from critic import value_loss, value_metrics
+from critic import CriticLoss, value_metrics
 from infra import cli, config
 from infra.batches import (autocast_dtype, Forward, micro_batch, per_token_pass, resolve_dtype, set_train_mode,
                            split_micro)
 from infra.checks import check_combinations, check_sizes, describe_guards, needs_reference, Sizes
-from infra.config import ConfigError
+from infra.config import ConfigError, load_target
 from infra.distributed import fsdp_from_launcher, make_accelerator, max_over_processes, use_cpu
 from infra.layouts import batch_layout
 from infra.metrics import (batch_metrics, check_loggers, console_line, reduce_metrics, sample_table, shown_samples,
@@ -99,11 +97,11 @@ from infra.optim import make_optimizer, StopAtMicroBatch, train_step
 from infra.runs import check_learning, Interrupted, save_checkpoint, start_run, StopSignal
 from infra.train_state import keep_best, resume, save_final, step_seed, TrainState
 from infra.trunk import plan_trunk
-from kl import distillation_rewards, KLController, kl_estimate, kl_penalty_rewards
+from kl import (distillation_rewards, KLController, kl_estimate, kl_penalty_rewards, ref_logprobs,
+                teacher_logprobs)
 from losses import agg_loss, Clip, Counts, mini_batch_counts, POLICY_LOSSES, policy_loss_mask, rollout_is_weights
-from data import load_prompts
+from data import CURRICULUM, draw_prompts, load_prompts
 from rewards import check_data_sources, check_reward_inputs, check_sample_call, rule_needing_truth, score_samples, Scorer
-from reward_rules.reasoning_gym_curriculum import Curriculum
 from rollout import check_rollout, check_turns, make_rollout, rollout_is_level, RunAhead
 from validation import check_best_metric, held_out_perplexity, reference_text, validate
 
@@ -184,25 +182,6 @@ class ActorLoss:
 
 
 @dataclass(frozen=True)
-class CriticLoss:
-    """vf_coef · clipped value loss: a micro-batch's share of the mini-batch's token-mean, and its metrics."""
-    fwd: Forward
-    cliprange_value: float
-    vf_coef: float
-
-    @classmethod
-    def from_config(cls, cfg, fwd: Forward):
-        return cls(fwd, cfg.critic.cliprange_value, cfg.critic.vf_coef)
-
-    def __call__(self, critic, micro: dict, counts: Counts):
-        mask = micro["response_mask"].float()
-        values = self.fwd.values(critic, micro)  # (B, Tr)
-        vf, clipfrac = value_loss(values, micro["old_values"], micro["returns"], mask, self.cliprange_value)
-        metrics = {"loss/value": masked_mean(vf.detach(), mask).item(), "value/clipfrac": clipfrac.item()}
-        return self.vf_coef * agg_loss(vf, mask, "token-mean", counts), metrics
-
-
-@dataclass(frozen=True)
 class Update:
     """One model that step 7 trains, with what its optimiser step needs."""
     name: str  # "actor" or "critic": the prefix of its metrics
@@ -215,26 +194,12 @@ class Update:
     max_grad_norm: float
 
 
-def ref_logprobs(ref, policy, micro, fwd: Forward):
-    """log π_ref(y_t | prefix), (B, Tr): the reference model's, or with LoRA the actor's with its adapter disabled."""
-    if ref is not None:
-        return fwd.logprobs(ref, micro)[0]
-    with unwrap_model(policy).disable_adapter():
-        return fwd.logprobs(unwrap_model(policy), micro)[0]
-
-
 def needs_old_logprobs(cfg, num_mini: int) -> bool:
     """Whether step 4 computes old_logprobs: not under departure 3 (one epoch of one mini-batch, no KL in the reward,
     to the reference or to a teacher, and no rejection sampling)."""
     alg = cfg.algorithm
     return (cfg.actor.ppo_epochs > 1 or num_mini > 1 or alg.use_kl_in_reward or alg.rollout_rs != "off"
             or bool(alg.teacher.path and alg.teacher.mode == "reward"))
-
-
-def draw_prompts(state, train_rows: list, cfg, rank: int, count: int) -> list[dict]:
-    """Step 1: the next global batch of the seeded data order (state's position moves on), this process's `count`."""
-    inds = state.next_prompts(len(train_rows), cfg.data.train_batch_size, cfg.trainer.seed, cfg.data.shuffle)
-    return [train_rows[i] for i in inds[rank * count:(rank + 1) * count]]
 
 
 def due(freq: int, step: int) -> bool:
@@ -257,11 +222,6 @@ def more_rounds(kept: list, rounds: int, need: int, cfg, accelerator) -> bool:
                           f"data is too easy or too hard for this policy); raise "
                           f"algorithm.filter_groups.max_num_gen_batches")
     return short > 0
-
-
-def teacher_logprobs(teacher, micro, fwd: Forward):
-    """log π_teacher(y_t | prefix), (B, Tr): from the teacher's own layers, never the policy's trunk."""
-    return dataclasses.replace(fwd, trunk=None).logprobs(teacher, micro)[0]
 
 
 def guards(t, state, metrics: dict, warn) -> Optional[str]:
@@ -332,7 +292,7 @@ def check_inputs(cfg, num_processes: int, print0=print) -> Inputs:
     check_loggers(cfg.trainer.logger, "trainer.logger")
     fsdp_from_launcher()
     tokenizer = policy_tokenizer(cfg.model)
-    curriculum = Curriculum(cfg.data.curriculum, cfg.data, tokenizer, cfg.trainer.seed, print0) \
+    curriculum = load_target(CURRICULUM)(cfg.data.curriculum, cfg.data, tokenizer, cfg.trainer.seed, print0) \
         if cfg.data.curriculum else None  # reasoning-gym's: its rows, made at the levels of its tasks
     train_rows, val_rows = (curriculum.rows, curriculum.val_rows) if curriculum else load_prompts(
         cfg.data, tokenizer, print0, rule_of=functools.partial(rule_needing_truth, cfg_reward=cfg.reward),
@@ -424,8 +384,8 @@ def main(cfg: config.Config):
     if signum := stop_signal.received(accelerator):
         raise Interrupted(signum, "during the validation before training; nothing was trained")
     stop_reason, skipped_in_a_row, first = None, 0, state.step + 1  # first: this run's first step (resumed: later)
-    bar = tqdm(range(first, t.total_steps + 1), disable=not accelerator.is_main_process, desc="ppo", dynamic_ncols=True)
-    for step in bar:
+    for step in tqdm(range(first, t.total_steps + 1), disable=not accelerator.is_main_process, desc="ppo",
+                     dynamic_ncols=True):
         times, skipped_before, t0 = {}, state.skipped, time.perf_counter()
 
         # ---- 1–3. sample prompts, generate n responses each (rollout.py), score them (rewards.py); rounds: departure 6
@@ -548,8 +508,6 @@ def main(cfg: config.Config):
                 print0(rollback)
                 rollout.sync_weights(policy, max(0, step - cfg.critic.warmup_steps))  # the next: best/'s weights
         logger.log({**metrics, "train/rollbacks": state.rollbacks}, step)
-        bar.set_postfix(score=f"{metrics['score/mean']:.3f}", reward=f"{metrics['reward/mean']:.3f}",  # env turns in it
-                        kl=f"{metrics.get('kl/mean', 0):.4f}")
         print0(f"step {step}  " + console_line(metrics, CONSOLE_KEYS))
         # nothing learnt, no final/: trainer.max_skipped_steps in a row, or every step of a run that ends here
         check_learning(skipped_in_a_row, range(first, step + 1), step == t.total_steps or bool(stop_reason), t, "trainer")

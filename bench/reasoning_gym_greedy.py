@@ -15,7 +15,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
 from data import render_prompt, tokenize_prompts  # noqa: E402
-from tools.prepare_data import make_reasoning_gym  # noqa: E402
+from agents.reasoning_gym import make_reasoning_gym  # noqa: E402
 from rewards import default_compute_score  # noqa: E402
 
 

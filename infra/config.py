@@ -80,7 +80,7 @@ class DataConfig:
     """reasoning-gym's curriculum, a YAML file as its training configs write it (a curriculum: block with curricula:,
     last_k, success_threshold, failure_threshold, schedule; reasoning_gym: dataset_size, developer_prompt): the
     training and validation rows are its tasks' entries, made at levels that follow each task's accuracy
-    (reward_rules/reasoning_gym_curriculum.py); train_files and val_files are then not read"""
+    (agents/reasoning_gym.py); train_files and val_files are then not read"""
     val_reference: Optional[str] = "extra_info.answer"
     """the held-out text of val/perplexity, exp(−mean token log-prob) of the policy over it, each text the response to
     its prompt (its EOS included), at every validation and the one before training (the pre-trained value): a field of

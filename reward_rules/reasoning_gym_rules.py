@@ -2,7 +2,7 @@
 a row of data_source reasoning_gym/<task> is scored by that task's own `score_answer(answer, entry)`.
 
 The answer is read as reasoning-gym reads it: `reasoning_gym.utils.extract_answer`, the text inside the last
-<answer>…</answer> of the response, which its SYSTEM_PROMPTS ask for (tools/prepare_data.make_reasoning_gym puts one of them in
+<answer>…</answer> of the response, which its SYSTEM_PROMPTS ask for (agents/reasoning_gym.make_reasoning_gym puts one of them in
 each prompt). A response without one is scored on None, as the task scores a missing answer.
 
 The ground truth is the JSON text of {"task", "config", "entry"} (ground_truth_text): the entry as the task made it

@@ -1,4 +1,4 @@
-"""reasoning-gym's curricula through data.curriculum (reward_rules/reasoning_gym_curriculum.py): a curriculum file as
+"""reasoning-gym's curricula through data.curriculum (agents/reasoning_gym.py): a curriculum file as
 reasoning-gym's training configs write it makes the rows its CurriculumExperiment makes, scored as reasoning-gym
 scores them, with levels that move as its trainer moves them; a ppo.py run raises them, saves them and resumes them."""
 import json
@@ -11,7 +11,7 @@ import pytest
 import rewards
 from conftest import free_port, make_tiny_model, make_tokenizer, read_metrics, REPO
 from data import DataError
-from reward_rules.reasoning_gym_curriculum import Curriculum, read_spec
+from agents.reasoning_gym import Curriculum, read_spec
 
 reasoning_gym = pytest.importorskip("reasoning_gym")
 from reasoning_gym.coaching import (CurriculumAttributeConfig, CurriculumExperiment,  # noqa: E402 (after the skip)

@@ -12,7 +12,7 @@
 train.parquet); the rule reasoning_gym/* scores them with the task's own score_answer (reward_rules/).
 `--task reasoning_gym:composite --task-config spec.yaml` mixes tasks by weight as reasoning-gym's composite dataset
 does, the spec as reasoning-gym's CompositeConfig YAML (or the same as JSON) writes it: `datasets:` a list of
-`{name: leg_counting, weight: 2, config: {…}}`; each row is its task's own (make_composite).
+`{name: leg_counting, weight: 2, config: {…}}`; each row is its task's own (agents/reasoning_gym.py).
 `--task verifiers:<path/to/env.py or module>` writes a verifiers environment's dataset (train) and eval dataset (val),
 for rollout.multi_turn.env=verifiers:<the same> (agents/verifiers.py); `--task verifiers.v1:<taskset id>` a verifiers
 0.4 taskset's tasks (the last --val-size in val), for rollout.multi_turn.env=verifiers.v1:<the same> (agents/verifiers_v1.py).
@@ -26,7 +26,6 @@ for rollout.multi_turn.env=verifiers:<the same> (agents/verifiers.py); `--task v
               shared text through the last "\\n\\nAssistant:" is `prompt`, so prompt + chosen is the original
 """
 import argparse
-import difflib
 import json
 import os
 import random
@@ -37,6 +36,7 @@ import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root, for data.py
 
+from agents.reasoning_gym import make_reasoning_gym
 from data import (check_prompt, DataError, ground_truth_of, make_arithmetic, make_arithmetic_preferences,
                   make_arithmetic_tool, make_guess_number, split_rows, write_parquet)
 
@@ -48,91 +48,6 @@ HH_ASSISTANT = "\n\nAssistant:"
 
 
 # ---- converting jsonl
-
-# ---- reasoning-gym's procedural tasks (reward_rules/reasoning_gym_rules.py scores them with the task's score_answer)
-def make_reasoning_gym(task: str, n: int, seed: int, config: dict, system_prompt: str = "default",
-                       shots: int = 0) -> list[dict]:
-    """n entries of reasoning-gym's task made with seed and config (its keyword arguments), one RL row each: one of
-    reasoning-gym's SYSTEM_PROMPTS (they ask for the answer in <answer> tags), `shots` worked examples (the same
-    for every row: entries of seed + 1, answered "<answer>…</answer>"), the question; the ground truth the rule
-    rebuilds the entry and the task from; data_source reasoning_gym/<task>. A task whose entries do not come back
-    from JSON with the same score for their own answer is refused."""
-    import reasoning_gym  # deferred: only this task needs it
-    from reasoning_gym.factory import DATASETS
-    from reasoning_gym.utils import SYSTEM_PROMPTS
-    where = f"--task reasoning_gym:{task}"
-    if task not in DATASETS:
-        near = difflib.get_close_matches(task, DATASETS, n=3)
-        raise DataError(f"{where}: reasoning-gym has no task {task!r}" + (f"; did you mean {', '.join(near)}?" if near
-                        else f"; it has {len(DATASETS)}: {', '.join(sorted(DATASETS))}"))
-    if system_prompt not in SYSTEM_PROMPTS:
-        raise DataError(f"--system-prompt {system_prompt!r}: reasoning-gym's prompts are {', '.join(SYSTEM_PROMPTS)}")
-    if task == "composite":
-        return make_composite(config, n, seed, system_prompt, shots)
-    config = {**config, "seed": seed, "size": n}
-    try:
-        dataset = reasoning_gym.create_dataset(task, **config)
-        entries = [dataset[i] for i in range(n)]
-        shown = reasoning_gym.create_dataset(task, **{**config, "seed": seed + 1, "size": shots}) if shots else []
-        examples = list(shown)
-    except (TypeError, ValueError, AssertionError) as e:  # an unknown or out-of-range config key
-        raise DataError(f"{where} --task-config: reasoning-gym refused the config {config}: {e}") from None
-    return [reasoning_gym_row(task, config, dataset, entry, i, SYSTEM_PROMPTS[system_prompt], examples)
-            for i, entry in enumerate(entries)]
-
-
-def reasoning_gym_row(task: str, config: dict, dataset, entry: dict, i: int, system: str, examples: list) -> dict:
-    """Row i: the system prompt, the worked examples, the entry's question; the ground truth the rule rebuilds the
-    entry and the task's dataset (made with `config`) from; a DataError where the entry does not come back from JSON
-    with the same score for its own answer."""
-    from reward_rules.reasoning_gym_rules import ground_truth_text, read_ground_truth
-    where = f"--task reasoning_gym:{task}"
-    try:
-        truth = ground_truth_text(task, config, entry)
-    except TypeError as e:
-        raise DataError(f"{where}: entry {i} cannot be stored as JSON ({e}); this task is not supported") from None
-    if dataset.score_answer(entry["answer"], read_ground_truth(truth)["entry"]) != dataset.score_answer(
-            entry["answer"], entry):
-        raise DataError(f"{where}: entry {i} scores its own answer differently once stored as JSON (its metadata "
-                        f"holds tuples or other values JSON changes); this task is not supported")
-    worked = [m for e in examples for m in ({"role": "user", "content": e["question"]},
-                                            {"role": "assistant", "content": f"<answer>{e['answer']}</answer>"})]
-    return {"prompt": [{"role": "system", "content": system}, *worked, {"role": "user", "content": entry["question"]}],
-            "ground_truth": truth, "data_source": f"reasoning_gym/{task}", "extra_info": {"index": i}}
-
-
-def make_composite(config: dict, n: int, seed: int, system_prompt: str, shots: int) -> list[dict]:
-    """n entries of reasoning-gym's composite dataset, create_dataset("composite", seed, size, datasets=[DatasetSpec(
-    name, weight, config), …]) from config["datasets"] (dicts with name, weight, config), each task drawn by weight
-    as reasoning-gym draws it. Each row is its task's own (data_source reasoning_gym/<task>), its ground truth holding
-    the config the composite made that task with (its seed and size included), so the rule scores it with the very
-    dataset whose score_answer the composite's forwards to."""
-    import reasoning_gym
-    from reasoning_gym.composite import DatasetSpec
-    from reasoning_gym.utils import SYSTEM_PROMPTS
-    where = "--task reasoning_gym:composite --task-config"
-    specs = config.get("datasets")
-    if set(config) - {"datasets"} or not isinstance(specs, list) or not specs or not all(
-            isinstance(d, dict) and "name" in d and set(d) <= {"name", "weight", "config"} for d in specs):
-        raise DataError(f"{where}: reasoning-gym's composite takes datasets: a list of {{name, weight, config}} (as "
-                        f"its CompositeConfig YAML writes them), got {str(config)[:200]}")
-    try:
-        made = [DatasetSpec(d["name"], d.get("weight", 1.0), d.get("config") or {}) for d in specs]
-        composite = reasoning_gym.create_dataset("composite", seed=seed, size=n, datasets=made)
-        entries = [composite[i] for i in range(n)]
-        examples = list(reasoning_gym.create_dataset("composite", seed=seed + 1, size=shots, datasets=made)) \
-            if shots else []
-    except (TypeError, ValueError, AssertionError, KeyError, AttributeError) as e:
-        raise DataError(f"{where}: reasoning-gym refused the composite {specs}: {type(e).__name__}: {e}") from None
-    rows = []
-    for i, entry in enumerate(entries):
-        task = entry["metadata"]["source_dataset"]
-        j = composite.dataset_names.index(task)  # the composite gives task j seed + j + 1 and its size, unless set
-        task_config = {"seed": seed + j + 1, "size": n, **made[j].config}
-        rows.append(reasoning_gym_row(task, task_config, composite.datasets[task], entry, i,
-                                      SYSTEM_PROMPTS[system_prompt], examples))
-    return rows
-
 
 def split_hh(chosen: str, rejected: str) -> tuple[str, str, str]:
     """(prompt, chosen reply, rejected reply): the shared text up to its last "\\n\\nAssistant:" is the prompt."""

@@ -1,6 +1,11 @@
-"""reasoning-gym's curricula as ppo.py's training rows: data.curriculum names a YAML file written as reasoning-gym's
-own training configs write it (training/configs/curriculum/*.yaml: a `curriculum:` block, and `reasoning_gym:` with
-dataset_size and developer_prompt; the block alone, or reasoning-gym's CurriculumExperimentConfig YAML, will do too).
+"""reasoning-gym's procedural tasks (Stojanovski et al., 2025; `reasoning-gym` on PyPI) as data: the rows
+tools/prepare_data.py writes for one task or a composite of tasks (make_reasoning_gym), and the curricula that make
+the training rows as a run goes (data.curriculum: Curriculum). The rule reasoning_gym/* scores every such row with its
+task's own score_answer (reward_rules/reasoning_gym_rules.py).
+
+Curricula: data.curriculum names a YAML file written as reasoning-gym's own training configs write it
+(training/configs/curriculum/*.yaml: a `curriculum:` block, and `reasoning_gym:` with dataset_size and
+developer_prompt; the block alone, or reasoning-gym's CurriculumExperimentConfig YAML, will do too).
 
     curriculum:
       enabled: True
@@ -35,7 +40,96 @@ import yaml
 from accelerate.utils import gather_object
 
 from data import DataError, prompt_rows
-from reward_rules.reasoning_gym_rules import reasoning_gym_score
+from reward_rules.reasoning_gym_rules import ground_truth_text, read_ground_truth, reasoning_gym_score
+
+
+# ---- rows of one task, or of a composite of tasks (tools/prepare_data.py --task reasoning_gym:<name>)
+
+def make_reasoning_gym(task: str, n: int, seed: int, config: dict, system_prompt: str = "default",
+                       shots: int = 0) -> list[dict]:
+    """n entries of reasoning-gym's task made with seed and config (its keyword arguments), one RL row each: one of
+    reasoning-gym's SYSTEM_PROMPTS (they ask for the answer in <answer> tags), `shots` worked examples (the same
+    for every row: entries of seed + 1, answered "<answer>…</answer>"), the question; the ground truth the rule
+    rebuilds the entry and the task from; data_source reasoning_gym/<task>. A task whose entries do not come back
+    from JSON with the same score for their own answer is refused."""
+    import reasoning_gym  # deferred: only this task needs it
+    from reasoning_gym.factory import DATASETS
+    from reasoning_gym.utils import SYSTEM_PROMPTS
+    where = f"--task reasoning_gym:{task}"
+    if task not in DATASETS:
+        near = difflib.get_close_matches(task, DATASETS, n=3)
+        raise DataError(f"{where}: reasoning-gym has no task {task!r}" + (f"; did you mean {', '.join(near)}?" if near
+                        else f"; it has {len(DATASETS)}: {', '.join(sorted(DATASETS))}"))
+    if system_prompt not in SYSTEM_PROMPTS:
+        raise DataError(f"--system-prompt {system_prompt!r}: reasoning-gym's prompts are {', '.join(SYSTEM_PROMPTS)}")
+    if task == "composite":
+        return make_composite(config, n, seed, system_prompt, shots)
+    config = {**config, "seed": seed, "size": n}
+    try:
+        dataset = reasoning_gym.create_dataset(task, **config)
+        entries = [dataset[i] for i in range(n)]
+        shown = reasoning_gym.create_dataset(task, **{**config, "seed": seed + 1, "size": shots}) if shots else []
+        examples = list(shown)
+    except (TypeError, ValueError, AssertionError) as e:  # an unknown or out-of-range config key
+        raise DataError(f"{where} --task-config: reasoning-gym refused the config {config}: {e}") from None
+    return [reasoning_gym_row(task, config, dataset, entry, i, SYSTEM_PROMPTS[system_prompt], examples)
+            for i, entry in enumerate(entries)]
+
+
+def reasoning_gym_row(task: str, config: dict, dataset, entry: dict, i: int, system: str, examples: list) -> dict:
+    """Row i: the system prompt, the worked examples, the entry's question; the ground truth the rule rebuilds the
+    entry and the task's dataset (made with `config`) from; a DataError where the entry does not come back from JSON
+    with the same score for its own answer."""
+    where = f"--task reasoning_gym:{task}"
+    try:
+        truth = ground_truth_text(task, config, entry)
+    except TypeError as e:
+        raise DataError(f"{where}: entry {i} cannot be stored as JSON ({e}); this task is not supported") from None
+    if dataset.score_answer(entry["answer"], read_ground_truth(truth)["entry"]) != dataset.score_answer(
+            entry["answer"], entry):
+        raise DataError(f"{where}: entry {i} scores its own answer differently once stored as JSON (its metadata "
+                        f"holds tuples or other values JSON changes); this task is not supported")
+    worked = [m for e in examples for m in ({"role": "user", "content": e["question"]},
+                                            {"role": "assistant", "content": f"<answer>{e['answer']}</answer>"})]
+    return {"prompt": [{"role": "system", "content": system}, *worked, {"role": "user", "content": entry["question"]}],
+            "ground_truth": truth, "data_source": f"reasoning_gym/{task}", "extra_info": {"index": i}}
+
+
+def make_composite(config: dict, n: int, seed: int, system_prompt: str, shots: int) -> list[dict]:
+    """n entries of reasoning-gym's composite dataset, create_dataset("composite", seed, size, datasets=[DatasetSpec(
+    name, weight, config), …]) from config["datasets"] (dicts with name, weight, config), each task drawn by weight
+    as reasoning-gym draws it. Each row is its task's own (data_source reasoning_gym/<task>), its ground truth holding
+    the config the composite made that task with (its seed and size included), so the rule scores it with the very
+    dataset whose score_answer the composite's forwards to."""
+    import reasoning_gym
+    from reasoning_gym.composite import DatasetSpec
+    from reasoning_gym.utils import SYSTEM_PROMPTS
+    where = "--task reasoning_gym:composite --task-config"
+    specs = config.get("datasets")
+    if set(config) - {"datasets"} or not isinstance(specs, list) or not specs or not all(
+            isinstance(d, dict) and "name" in d and set(d) <= {"name", "weight", "config"} for d in specs):
+        raise DataError(f"{where}: reasoning-gym's composite takes datasets: a list of {{name, weight, config}} (as "
+                        f"its CompositeConfig YAML writes them), got {str(config)[:200]}")
+    try:
+        made = [DatasetSpec(d["name"], d.get("weight", 1.0), d.get("config") or {}) for d in specs]
+        composite = reasoning_gym.create_dataset("composite", seed=seed, size=n, datasets=made)
+        entries = [composite[i] for i in range(n)]
+        examples = list(reasoning_gym.create_dataset("composite", seed=seed + 1, size=shots, datasets=made)) \
+            if shots else []
+    except (TypeError, ValueError, AssertionError, KeyError, AttributeError) as e:
+        raise DataError(f"{where}: reasoning-gym refused the composite {specs}: {type(e).__name__}: {e}") from None
+    rows = []
+    for i, entry in enumerate(entries):
+        task = entry["metadata"]["source_dataset"]
+        j = composite.dataset_names.index(task)  # the composite gives task j seed + j + 1 and its size, unless set
+        task_config = {"seed": seed + j + 1, "size": n, **made[j].config}
+        rows.append(reasoning_gym_row(task, task_config, composite.datasets[task], entry, i,
+                                      SYSTEM_PROMPTS[system_prompt], examples))
+    return rows
+
+
+
+# ---- curricula (data.curriculum)
 
 BLOCK_KEYS = {"enabled", "schedule", "last_k", "success_threshold", "failure_threshold", "curricula"}
 DEFAULTS = {"enabled": True, "schedule": {"automatic": False, "update_steps": 30}, "last_k": 20,
@@ -150,7 +244,6 @@ class Curriculum:
 
     def make_rows(self, composite, indices, task=None) -> list:
         """Rows for the composite's entries at `indices` (of `task` only, where given), tokenized as data.py does."""
-        from tools.prepare_data import reasoning_gym_row
         raw = []
         for i in indices:
             entry = composite[i]
