@@ -21,7 +21,6 @@ MAX_RESULT_BYTES of them.
 The worker imports the standard library, infra/worker.py, agents/reaping.py and the user's files only: it starts in
 ~0.1 s, and a fork from it takes a few milliseconds.
 """
-import ctypes
 import dataclasses
 import math
 import numbers
@@ -40,7 +39,8 @@ from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script: infra/ importable
 from infra.worker import CallFailed, GRACE_S, WorkerStartError, import_function  # noqa: E402
-from agents.reaping import become_subreaper, end_everything, end_inherited  # noqa: E402
+from agents.reaping import (become_subreaper, child_exit, die_with_parent, end_everything,  # noqa: E402
+                            end_inherited, kill_group_when_orphaned)
 
 
 class ObjectHost:
@@ -147,14 +147,6 @@ def end_group(proc: subprocess.Popen, conn: Connection) -> None:
 
 # ---------------------------------------------------------------------------------------
 # The worker's side: a relay between the parent and one child process per object
-
-
-def die_with_parent() -> None:
-    """Ask the kernel to SIGKILL this process when its parent ends (Linux; elsewhere nothing)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 MAX_RESULT_BYTES = 64 << 20  # the most a call sends back (pickled): a 1 GB answer fails in its own process
@@ -385,27 +377,6 @@ def serve(conn: Connection) -> None:
         if now > next_reap:
             end_inherited({pid for pid, _ in relay.children.values()} | {pid for pid, _ in relay.leaving})
             next_reap = now + 1.0
-
-
-def child_exit(pid: int) -> str:
-    """How a child that closed its pipe ended: "exit code 3", "killed by SIGKILL"."""
-    for _ in range(50):
-        try:
-            done, status = os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            return "it ended"
-        if done:
-            code = os.waitstatus_to_exitcode(status)
-            return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-        time.sleep(0.01)
-    return "it closed its pipe"
-
-
-def kill_group_when_orphaned(parent: int) -> None:
-    """The run's process is gone (even by SIGKILL): end this whole process group within a second."""
-    while os.getppid() == parent:
-        time.sleep(1.0)
-    end_everything()
 
 
 if __name__ == "__main__":

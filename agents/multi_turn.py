@@ -5,10 +5,10 @@
 
 `AgentRollout` wraps a rollout backend (rollout.py) and runs up to `max_turns` assistant turns per sample. A turn
 ends at EOS; the environment (agents/environments.py: the user's class, or the built-in ToolEnvironment running the tool
-calls written in the turn, PARSERS) answers it with messages, a reward and whether the episode is done; the messages
-are appended through the tokenizer's chat template (ToolTemplate, their text never read as control tokens), and the
-model goes on from there: the next turn's prompt is the whole row so far, so vLLM's prefix cache holds the turns
-before it. Each response is one token row:
+calls written in the turn, tools.PARSERS) answers it with messages, a reward and whether the episode is done; the
+messages are appended through the tokenizer's chat template (ToolTemplate, their text never read as control tokens),
+and the model goes on from there: the next turn's prompt is the whole row so far, so vLLM's prefix cache holds the
+turns before it. Each response is one token row:
 
     responses       turn 1 (model) | answer, next header | turn 2 (model) | … | padding
     response_mask   1 … 1          | 0 … 0               | 1 … 1          | … | 0     loss, KL, entropy
@@ -24,94 +24,23 @@ Departures from verl 0.9.1's ToolAgentLoop: a call that cannot be read is answer
 it); the tokens after the model's EOS come from the chat template rendered around the messages (verl renders
 them alone and, for Qwen, inserts the newline between turns by a model-specific builder).
 """
-import json
 import math
 import random
-import re
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Union
+from typing import Callable, Optional
 
 import torch
 
 from agents.environments import HostedEnvironment, ToolTemplate
 from agents.limits import bounded, check_messages, RESET_ROLES, STEP_ROLES
 from agents.peers import route_of
-from agents.tools import MethodEnvironment, ToolEnvironment
+from agents.tools import MethodEnvironment, PARSERS, ToolEnvironment
 from infra.cli import warn0
 from infra.config import ConfigError
 from infra.worker import CallFailed
 from infra.rollout_common import right_pad, Rollout
 from rewards import count_failures, RewardError
-
-# ---------------------------------------------------------------------------------------
-# Tool calls, as the model writes them
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    name: str
-    arguments: Union[dict, str]  # hermes: the keyword arguments; tag: the text between the tags
-    error: Optional[str] = None  # why the call cannot be run (malformed, unknown tool): the model is told so
-
-
-HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-
-
-def parse_hermes(text: str, names) -> list[ToolCall]:
-    """Every <tool_call>{"name": …, "arguments": {…}}</tool_call> in text (Qwen2.5's format, verl's `hermes`
-    parser). JSON that does not parse (nested too deep for Python's parser included), a name that is not a string,
-    missing arguments, an unknown tool or an unclosed tag → a ToolCall with its error. A lone surrogate escape in the
-    JSON ("\\ud800", which no UTF-8 text can hold, so a tokenizer would fail on it) becomes U+FFFD."""
-    calls = []
-    for body in HERMES.findall(text):
-        try:
-            call = clean_surrogates(json.loads(body))
-            name, arguments = call["name"], call["arguments"]
-            arguments = clean_surrogates(json.loads(arguments)) if isinstance(arguments, str) else arguments
-            if not isinstance(name, str):
-                raise TypeError(f"the name must be a string, not {type(name).__name__}")
-            if not isinstance(arguments, dict):
-                raise TypeError("arguments must be a JSON object")
-        except (ValueError, KeyError, TypeError, RecursionError) as e:
-            calls.append(ToolCall("?", body, f"the call is not {{\"name\": …, \"arguments\": {{…}}}} JSON "
-                                             f"({type(e).__name__}: {str(e)[:200]})"))
-            continue
-        calls.append(ToolCall(name, arguments, None if name in names else
-                              f"there is no tool named {name[:100]!r}; the tools are {', '.join(sorted(names))}"))
-    if text.count("<tool_call>") > len(HERMES.findall(text)):
-        calls.append(ToolCall("?", text[text.rfind("<tool_call>"):], "a <tool_call> is not closed by </tool_call>"))
-    return calls
-
-
-def clean_surrogates(value):
-    """`value` (parsed JSON) with every lone surrogate in its strings, keys included, replaced by U+FFFD."""
-    if isinstance(value, str):
-        return SURROGATE.sub("\ufffd", value)
-    if isinstance(value, list):
-        return [clean_surrogates(v) for v in value]
-    if isinstance(value, dict):
-        return {clean_surrogates(k): clean_surrogates(v) for k, v in value.items()}
-    return value
-
-
-SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def parse_tag(text: str, names) -> list[ToolCall]:
-    """Every <name>text</name> for a tool `name` in text, the function to be called with the stripped text: a
-    format a small model learns from one example. An opening tag that is never closed → a ToolCall with its error."""
-    calls = []
-    for name in sorted(names):
-        for match in re.finditer(f"<{re.escape(name)}>(.*?)(</{re.escape(name)}>|$)", text, re.DOTALL):
-            closed = bool(match.group(2))
-            calls.append((match.start(), ToolCall(name, match.group(1).strip(),
-                                                  None if closed else f"<{name}> is not closed by </{name}>")))
-    return [call for _, call in sorted(calls, key=lambda c: c[0])]
-
-
-PARSERS = {"hermes": parse_hermes, "tag": parse_tag}  # rollout.multi_turn.format → (text, tool names) → calls
-
 
 # ---------------------------------------------------------------------------------------
 # One sample's conversation, and the loop over turns

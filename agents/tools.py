@@ -1,17 +1,86 @@
 """Environments whose turns are tool calls: the built-in one (rollout.multi_turn.tools, plain functions) and TRL's
 environment_factory classes (rollout.multi_turn.env=path.py:Class, whose public methods are the tools). Both follow
-agents/environments.py's contract, batched as multi_turn.AgentRollout drives it; the calls are read by the format's parser
-(multi_turn.PARSERS) and every call runs in a process (agents/episodes.py), killed after its timeout.
+agents/environments.py's contract, batched as multi_turn.AgentRollout drives it; the calls are read from a turn's
+text by the parser of rollout.multi_turn.format (PARSERS below: hermes, tag) and every call runs in a process
+(agents/episodes.py), killed after its timeout.
 """
+import json
 import math
 import numbers
 import os
+import re
 from dataclasses import dataclass, replace
+from typing import Optional, Union
 
 from agents.environments import as_messages, HostedEnvironment, Reset, Step
 from infra.config import ConfigError
 from agents.episodes import ObjectHost
 from infra.worker import CallFailed, WorkerStartError
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: Union[dict, str]  # hermes: the keyword arguments; tag: the text between the tags
+    error: Optional[str] = None  # why the call cannot be run (malformed, unknown tool): the model is told so
+
+
+HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+def parse_hermes(text: str, names) -> list[ToolCall]:
+    """Every <tool_call>{"name": …, "arguments": {…}}</tool_call> in text (Qwen2.5's format, verl's `hermes`
+    parser). JSON that does not parse (nested too deep for Python's parser included), a name that is not a string,
+    missing arguments, an unknown tool or an unclosed tag → a ToolCall with its error. A lone surrogate escape in the
+    JSON ("\\ud800", which no UTF-8 text can hold, so a tokenizer would fail on it) becomes U+FFFD."""
+    calls = []
+    for body in HERMES.findall(text):
+        try:
+            call = clean_surrogates(json.loads(body))
+            name, arguments = call["name"], call["arguments"]
+            arguments = clean_surrogates(json.loads(arguments)) if isinstance(arguments, str) else arguments
+            if not isinstance(name, str):
+                raise TypeError(f"the name must be a string, not {type(name).__name__}")
+            if not isinstance(arguments, dict):
+                raise TypeError("arguments must be a JSON object")
+        except (ValueError, KeyError, TypeError, RecursionError) as e:
+            calls.append(ToolCall("?", body, f"the call is not {{\"name\": …, \"arguments\": {{…}}}} JSON "
+                                             f"({type(e).__name__}: {str(e)[:200]})"))
+            continue
+        calls.append(ToolCall(name, arguments, None if name in names else
+                              f"there is no tool named {name[:100]!r}; the tools are {', '.join(sorted(names))}"))
+    if text.count("<tool_call>") > len(HERMES.findall(text)):
+        calls.append(ToolCall("?", text[text.rfind("<tool_call>"):], "a <tool_call> is not closed by </tool_call>"))
+    return calls
+
+
+def clean_surrogates(value):
+    """`value` (parsed JSON) with every lone surrogate in its strings, keys included, replaced by U+FFFD."""
+    if isinstance(value, str):
+        return SURROGATE.sub("\ufffd", value)
+    if isinstance(value, list):
+        return [clean_surrogates(v) for v in value]
+    if isinstance(value, dict):
+        return {clean_surrogates(k): clean_surrogates(v) for k, v in value.items()}
+    return value
+
+
+SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def parse_tag(text: str, names) -> list[ToolCall]:
+    """Every <name>text</name> for a tool `name` in text, the function to be called with the stripped text: a
+    format a small model learns from one example. An opening tag that is never closed → a ToolCall with its error."""
+    calls = []
+    for name in sorted(names):
+        for match in re.finditer(f"<{re.escape(name)}>(.*?)(</{re.escape(name)}>|$)", text, re.DOTALL):
+            closed = bool(match.group(2))
+            calls.append((match.start(), ToolCall(name, match.group(1).strip(),
+                                                  None if closed else f"<{name}> is not closed by </{name}>")))
+    return [call for _, call in sorted(calls, key=lambda c: c[0])]
+
+
+PARSERS = {"hermes": parse_hermes, "tag": parse_tag}  # rollout.multi_turn.format → (text, tool names) → calls
 
 
 def tool_targets(specs: list[str]) -> dict[str, tuple[str, str]]:

@@ -71,7 +71,7 @@ def question(a, b):
 def test_hermes_calls_are_read_and_malformed_ones_say_why():
     """<tool_call> JSON with name and arguments (an object, or a JSON string of one) is a call; bad JSON, a missing
     key, an unknown tool and an unclosed tag each give a call with an error, in the order written."""
-    from agents.multi_turn import parse_hermes
+    from agents.tools import parse_hermes
     names = {"add", "shout"}
     text = ('<tool_call>{"name": "shout", "arguments": {"word": "hi"}}</tool_call> and '
             '<tool_call>{"name": "add", "arguments": "{\\"text\\": \\"1+2\\"}"}</tool_call>')
@@ -88,7 +88,7 @@ def test_hermes_calls_are_read_and_malformed_ones_say_why():
 def test_tag_calls_are_read_in_order_and_unclosed_ones_say_why():
     """<name>text</name> for a known tool is a call with the stripped text; other tags are text; calls keep the
     order they were written in; an opening tag never closed is a call with an error."""
-    from agents.multi_turn import parse_tag
+    from agents.tools import parse_tag
     calls = parse_tag("<shout> hi </shout> then <b>x</b> <add>1+2</add> <add>3+", {"add", "shout"})
     assert [(c.name, c.arguments, c.error is None) for c in calls] == [("shout", "hi", True), ("add", "1+2", True),
                                                                        ("add", "3+", False)]
@@ -103,8 +103,7 @@ def test_tag_calls_are_read_in_order_and_unclosed_ones_say_why():
 def test_tools_answer_fail_time_out_and_are_cut(tools_file):
     """A tool's return value as text; a raising tool, a malformed call and a tool slower than the timeout answer
     an error (the slow one without holding up the rest); a long answer is cut and marked."""
-    from agents.multi_turn import ToolCall
-    from agents.tools import run_tools, tool_targets
+    from agents.tools import run_tools, tool_targets, ToolCall
     from agents.episodes import ObjectHost
     host = ObjectHost(tool_targets([f"{tools_file}:add", f"{tools_file}:slow", f"{tools_file}:shout"]), 0.5)
     calls = [ToolCall("add", "2+3"), ToolCall("add", "x+1"), ToolCall("slow", ""), ToolCall("?", "{", "bad JSON"),
@@ -129,8 +128,7 @@ def test_tools_answer_fail_time_out_and_are_cut(tools_file):
     ("add", "rollout.multi_turn.tools: 'add' must be path/to/file.py:function"),
 ])
 def test_a_bad_tool_spec_is_one_sentence_naming_the_key(tools_file, tmp_path, spec, sentence):
-    from agents.multi_turn import PARSERS
-    from agents.tools import ToolEnvironment
+    from agents.tools import PARSERS, ToolEnvironment
     with pytest.raises(ConfigError) as e:
         ToolEnvironment([spec.format(tmp=tmp_path, tools=tools_file)], PARSERS["tag"], 1.0, 64, 8)
     assert sentence.format(tmp=tmp_path, tools=tools_file) in str(e.value)
@@ -213,8 +211,8 @@ BEFORE_AFTER = {
 
 def agent_rollout(tokenizer, tools_file, reply=calculator_script, max_turns=3, max_length=128, reduce_max=None,
                   fmt="tag", tools=("add",)):
-    from agents.multi_turn import AgentRollout, PARSERS, TurnSettings
-    from agents.tools import ToolEnvironment
+    from agents.multi_turn import AgentRollout, TurnSettings
+    from agents.tools import PARSERS, ToolEnvironment
     environment = ToolEnvironment([f"{tools_file}:{t}" for t in tools], PARSERS[fmt], 1.0, 64, 8)
     settings = TurnSettings(max_turns, max_length, 512, environment)
     backend = ScriptedBackend(tokenizer, reply)

@@ -142,8 +142,8 @@ def tokenizer():
 
 
 def tool_rollout(tokenizer, files, tools, script, max_turns=2):
-    from agents.multi_turn import AgentRollout, PARSERS, TurnSettings
-    from agents.tools import ToolEnvironment
+    from agents.multi_turn import AgentRollout, TurnSettings
+    from agents.tools import PARSERS, ToolEnvironment
     environment = ToolEnvironment([f"{files}/faults.py:{t}" for t in tools], PARSERS["tag"], 5.0, 200, 4)
     backend = ScriptedBackend(tokenizer, lambda context, j: script if "tool" not in context else "done")
     return AgentRollout(backend, tokenizer, TurnSettings(max_turns, 2000, 64, environment))

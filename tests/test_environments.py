@@ -235,8 +235,8 @@ def test_tools_that_hang_holding_the_gil_exit_or_spawn_leave_the_run_whole(token
     """Tool calls run each in a process of their own: one that hangs holding the GIL is killed after
     tool_timeout_s and one that calls os._exit answers an error, the others answer; at most max_calls_per_turn of
     a turn's calls run; the processes a tool and an environment start are gone once the rollout is closed."""
-    from agents.multi_turn import AgentRollout, PARSERS, TurnSettings
-    from agents.tools import ToolEnvironment
+    from agents.multi_turn import AgentRollout, TurnSettings
+    from agents.tools import PARSERS, ToolEnvironment
     script = "<gil>x</gil><leave>x</leave><spawn>x</spawn><echo>a</echo><echo>b</echo>"
     environment = ToolEnvironment([f"{files}/tools.py:{t}" for t in ("gil", "leave", "spawn", "echo")],
                                   PARSERS["tag"], 1.0, 200, max_calls=4)

@@ -315,8 +315,7 @@ def test_a_malformed_tool_call_is_an_error_for_its_sample(body, error):
     """A name that is not a string (a list used to raise `unhashable type` out of the rollout) and JSON nested past
     Python's parser (RecursionError, not a ValueError) are calls with an error, answered as such; the tool never
     runs."""
-    from agents.multi_turn import parse_hermes
-    from agents.tools import run_tools
+    from agents.tools import parse_hermes, run_tools
 
     class NoHost:  # infra/episodes.ObjectHost, which runs the tools: never asked to
         timeout_s = 1.0
@@ -340,7 +339,7 @@ def test_lone_surrogates_in_a_tool_call_become_replacement_characters():
     """"\\ud800" in the call's JSON (in a key, a value, or arguments given as a JSON string) is no UTF-8 text, which a
     tokenizer or a log could not write: each lone one becomes U+FFFD; a surrogate pair stays the character it
     encodes."""
-    from agents.multi_turn import parse_hermes
+    from agents.tools import parse_hermes
     text = ('<tool_call>{"name": "calc", "arguments": {"x\\ud800": ["\\udc80a", "\\ud83d\\ude00"]}}</tool_call>'
             '<tool_call>{"name": "calc", "arguments": "{\\"y\\": \\"\\\\udfff\\"}"}</tool_call>')
     calls = parse_hermes(text, {"calc"})
