@@ -111,7 +111,7 @@ class MultiTurnConfig:
     tools: list[str] = field(default_factory=list)
     """the tools, each path/to/file.py:function; the model calls a tool by the function's name"""
     format: str = "hermes"
-    """how a call is written, a name in agents/multi_turn.py's PARSERS: hermes (<tool_call>{"name": …, "arguments": {…}}</tool_call>,
+    """how a call is written, a name in agents/tools.py's PARSERS: hermes (<tool_call>{"name": …, "arguments": {…}}</tool_call>,
     as Qwen2.5 and verl) or tag (<name>text</name>: the function gets the text)"""
     tool_timeout_s: float = 5.0
     """seconds a tool call may take; each call runs in a process of its own, killed after this (whatever the call is
