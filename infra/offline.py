@@ -1,10 +1,12 @@
 """What the stages that train on a fixed dataset (reward_model.py, sft.py, dpo.py) share around their loss: the checks
-before a model loads, the step's rows, the batch in ppo.py's layout, the metrics log and resume, the count of skipped
-steps, the checkpoint (and the stop on a signal), and final/ as a plain HF folder, the LoRA adapter merged.
+before a model loads, the policy loaded and placed (sft.py, dpo.py), the step's rows, the batch in ppo.py's layout,
+the metrics log and resume, the count of skipped steps, the checkpoint (and the stop on a signal), and final/ as a
+plain HF folder, the LoRA adapter merged.
 
     accelerator, lock, resume_from, finished = begin(cfg, "dpo")     # before any model loads
     tokenizer = check_folders(section, "dpo")
     local, micro = check_batch(section, "dpo", num_processes, len(rows), "pairs", print0)
+    policy, ref, fwd, sharded = load_policy_to_train(accelerator, section, "policy", reference=frozen_copy)
     logger, start, skipped = open_log(accelerator, cfg, "dpo", resume_from, models, scheduler)
     …
     checkpoint_or_stop(accelerator, section, step + 1, last, models, state, stop_signal, logger)
@@ -21,9 +23,11 @@ import torch
 from accelerate.utils import set_seed
 
 from infra import cli
+from infra.batches import autocast_dtype, Forward
 from infra.checks import exact_div
 from infra.config import ConfigError
-from infra.distributed import fsdp_from_launcher, full_state_dict, make_accelerator
+from infra.distributed import describe, distribute, fsdp_from_launcher, full_state_dict, make_accelerator
+from infra.layouts import batch_layout, use_varlen_attention
 from infra.metrics import check_loggers, MetricsLogger, plot_curves, wandb_resume_id
 from infra.models import check_model_path, load_policy, load_tokenizer, save_pretrained_atomic
 from infra.optim import restore_schedule
@@ -87,6 +91,24 @@ def batch_indices(step: int, n: int, batch_size: int, seed: int) -> list[int]:
     epoch, k = divmod(step, n // batch_size)
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
     return perm[k * batch_size:(k + 1) * batch_size].tolist()
+
+
+def load_policy_to_train(accelerator, section, name: str, reference=None):
+    """sft.py's and dpo.py's models on this process: the policy from section.model_path (models.load_policy: LoRA or
+    full weights), then the frozen model that `reference()` loads (dpo.py's; None: none), each sharded under an FSDP2
+    launcher, else the policy replicated (DDP), said in one line (the policy named `name`); and the forward that
+    reads them, log π at temperature 1 in the section's layout. The reference loads only once the policy is placed,
+    so that a process never holds two whole copies. Returns (policy, reference or None, fwd, sharded)."""
+    fsdp = fsdp_from_launcher(autocast_dtype(section.dtype))  # the accelerate config's FSDP2 settings, or None
+    policy = distribute(load_policy(section, section.model_path), accelerator, fsdp, trainable=True)
+    ref = distribute(reference(), accelerator, fsdp, trainable=False) if reference else None
+    accelerator.print(describe(fsdp, accelerator, [name] + (["reference"] if ref is not None else [])))
+    sharded = fsdp is not None
+    fwd = Forward(1.0, autocast_dtype(section.dtype), batch_layout(section, sharded))  # log π at temperature 1
+    if fwd.layout == "packed":  # attention within each prompt / prompt+response group of the packed row
+        for model in [accelerator.unwrap_model(policy)] + ([ref] if ref is not None else []):
+            use_varlen_attention(model)
+    return policy, ref, fwd, sharded
 
 
 def completion_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: int, device) -> dict:
