@@ -179,14 +179,18 @@ def held_out_slices(rows: int, micro: int, accelerator, sharded: bool) -> list:
 def finish(accelerator, model, tokenizer, section, curves: list, sharded: bool) -> None:
     """The end of sft.py and dpo.py: rank 0 writes final/ (save_merged) and curves.png (the panels `curves`, from
     metrics.jsonl); then every process leaves together. Sharded (FSDP2), every process first takes part in gathering
-    the weights, which rank 0 loads into a whole copy on the CPU to merge and save."""
+    the weights, which rank 0 saves as they are (as ppo.py's save_final); with a LoRA adapter it loads them into a
+    whole copy on the CPU first, since merging the adapter needs its layers whole."""
     state_dict = full_state_dict(model) if sharded else None  # a collective under FSDP2
     if accelerator.is_main_process:
         whole = accelerator.unwrap_model(model)
-        if sharded:
+        if sharded and section.lora_rank > 0:
             whole = load_policy(section, section.model_path)
             whole.load_state_dict(state_dict)
-        final = save_merged(whole, tokenizer, section.output_dir, (section.model_path,))
+            state_dict = None  # the copy holds them
+        elif sharded:
+            state_dict = tied_as_in(whole, state_dict)
+        final = save_merged(whole, tokenizer, section.output_dir, (section.model_path,), state_dict)
         metrics_path = os.path.join(section.output_dir, "metrics.jsonl")
         if os.path.exists(metrics_path):
             plot_curves(metrics_path, os.path.join(section.output_dir, "curves.png"), curves)
@@ -195,13 +199,24 @@ def finish(accelerator, model, tokenizer, section, curves: list, sharded: bool) 
     accelerator.end_training()
 
 
-def save_merged(hf_model, tokenizer, output_dir: str, inputs: tuple = ()) -> str:
+def tied_as_in(model, state_dict: dict) -> dict:
+    """`state_dict` (full_state_dict's) with a weight that `model` holds under several names (a head tied to the token
+    embedding, as SmolLM2's) one tensor again under each: gathering copies it per name, and save_pretrained saves a
+    tied weight once only where its names share one tensor."""
+    out, first = dict(state_dict), {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        out[name] = out[first.setdefault(id(param), name)]
+    return out
+
+
+def save_merged(hf_model, tokenizer, output_dir: str, inputs: tuple = (), state_dict=None) -> str:
     """final/ = the model as a plain HF folder (a LoRA adapter merged in, the adapter alone kept in final_adapter/),
-    with its tokenizer: the next stage's model path. Rank 0 calls it; returns final/'s path."""
-    final = os.path.join(output_dir, "final")
+    with its tokenizer: the next stage's model path. state_dict: a sharded model's weights gathered whole (without
+    an adapter; None: the model's own). Rank 0 calls it; returns final/'s path."""
+    final = os.path.join(output_dir, "final")  # overwrite=True below: final/ and final_adapter/ are this run's own
     if hasattr(hf_model, "merge_and_unload"):
         save_pretrained_atomic(hf_model, tokenizer, os.path.join(output_dir, "final_adapter"), overwrite=True,
                                inputs=inputs)
         hf_model = hf_model.merge_and_unload()
-    save_pretrained_atomic(hf_model, tokenizer, final, overwrite=True, inputs=inputs)  # this run's own folders
+    save_pretrained_atomic(hf_model, tokenizer, final, state_dict, overwrite=True, inputs=inputs)
     return final
