@@ -167,7 +167,8 @@ def main(cfg: SFTStage):
             metrics.update(evaluate(step + 1))
         metrics["time/step_s"] = time.perf_counter() - t0
         logger.log(metrics, step + 1)
-        print0(f"step {step + 1}  " + console_line(metrics, ["loss", "val/loss", "val/score/mean", "lr", "time/step_s"]))
+        print0(f"step {step + 1}  " + console_line(metrics, ["loss", "val/loss", "val/score/mean", "lr",
+                                                             "time/step_s"]))
         skips.check(step + 1, "sft", s.output_dir)  # nothing learnt: no final/
 
         # ---- 4. checkpoint every save_freq steps and at the end; SIGTERM or Ctrl-C: also, then stop
