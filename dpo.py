@@ -38,6 +38,7 @@ How this departs from the paper, and from TRL's DPOTrainer:
 5. Validation answers the task's prompts greedily and scores them by its rule (val/score/mean, as ppo.py), beside
    the loss and rewards/* on held-out pairs (val/rewards/accuracies: TRL's eval accuracy).
 """
+import functools
 import math
 import time
 
@@ -47,15 +48,13 @@ from tqdm import tqdm
 
 from data import load_preferences, load_rl_dataset, tokenize_completions
 from infra import cli
-from infra.batches import autocast_dtype, Forward
+from infra.batches import Forward
 from infra.config import ConfigError, RewardConfig
 from infra.config_offline import DPOStage
-from infra.distributed import describe, distribute, fsdp_from_launcher
-from infra.layouts import batch_layout, use_varlen_attention
 from infra.metrics import console_line
-from infra.models import load_policy, load_reference
+from infra.models import load_reference
 from infra.offline import (batch_indices, begin, check_batch, check_folders, checkpoint_or_stop, completion_batch,
-                           finish, held_out_slices, open_log, Skips)
+                           finish, held_out_slices, load_policy_to_train, open_log, Skips)
 from infra.optim import make_optimizer, train_step
 from infra.runs import StopSignal
 from ppo import ref_logprobs
@@ -209,21 +208,15 @@ def main(cfg: DPOStage):
     pad_id = tokenizer.pad_token_id
 
     # ---- policy and reference (departure 1): sharded (FSDP2 launcher) or the policy under DDP; optimiser, resume
-    fsdp = fsdp_from_launcher(autocast_dtype(d.dtype))  # the accelerate config's FSDP2 settings, or None
-    sharded = fsdp is not None
-    policy = distribute(load_policy(d, d.model_path), accelerator, fsdp, trainable=True)
-    ref = None
+    # ref: with full weights a frozen copy of model_path, loaded once the policy is placed; under LoRA None (the
+    # policy with its adapter off is the reference), as for a REFERENCE_FREE loss (no reference at all)
+    frozen_copy = None
     if not d.lora_rank and d.loss_type not in REFERENCE_FREE:
-        ref = distribute(load_reference(d.model_path, trust_remote_code=d.trust_remote_code), accelerator, fsdp,
-                         trainable=False)
-    print0(describe(fsdp, accelerator, ["policy"] + (["reference"] if ref is not None else [])))
+        frozen_copy = functools.partial(load_reference, d.model_path, trust_remote_code=d.trust_remote_code)
+    policy, ref, fwd, sharded = load_policy_to_train(accelerator, d, "policy", reference=frozen_copy)
     optimizer, scheduler = make_optimizer(policy, d.optim, d.total_steps)
     models = {"model": (policy, optimizer)}
     logger, start, skipped = open_log(accelerator, cfg, "dpo", resume_from, models, scheduler)
-    fwd = Forward(1.0, autocast_dtype(d.dtype), batch_layout(d, sharded))  # log π at temperature 1
-    for model in [accelerator.unwrap_model(policy), ref] if fwd.layout == "packed" else []:
-        if model is not None:  # attention within each prompt / prompt+response group of the packed row
-            use_varlen_attention(model)
     ref_table = None
     if d.precompute_ref_log_probs and d.loss_type not in REFERENCE_FREE:
         ref_table = precompute_ref_logprobs(ref, policy, train_pairs, micro, fwd, d, pad_id, device)

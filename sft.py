@@ -40,15 +40,12 @@ from tqdm import tqdm
 
 from data import load_rl_dataset, tokenize_completions
 from infra import cli
-from infra.batches import autocast_dtype, Forward
+from infra.batches import Forward
 from infra.config import RewardConfig
 from infra.config_offline import SFTStage
-from infra.distributed import describe, distribute, fsdp_from_launcher
-from infra.layouts import batch_layout, use_varlen_attention
 from infra.metrics import console_line
-from infra.models import load_policy
 from infra.offline import (batch_indices, begin, check_batch, check_folders, checkpoint_or_stop, completion_batch,
-                           finish, held_out_slices, open_log, Skips)
+                           finish, held_out_slices, load_policy_to_train, open_log, Skips)
 from infra.optim import make_optimizer, train_step
 from infra.runs import StopSignal
 from infra.tables import load_sft_rows
@@ -120,17 +117,11 @@ def main(cfg: SFTStage):
     tokenizer, train_rows, local, micro = inputs["tokenizer"], inputs["train"], inputs["local"], inputs["micro"]
     pad_id = tokenizer.pad_token_id
 
-    # ---- model (LoRA or full weights) sharded (FSDP2 launcher) or replicated (DDP), optimiser, resume
-    fsdp = fsdp_from_launcher(autocast_dtype(s.dtype))  # the accelerate config's FSDP2 settings, or None
-    model = distribute(load_policy(s, s.model_path), accelerator, fsdp, trainable=True)
-    print0(describe(fsdp, accelerator, ["model"]))
+    # ---- model (LoRA or full weights) sharded (FSDP2 launcher) or replicated (DDP), its forward; optimiser, resume
+    model, _, fwd, sharded = load_policy_to_train(accelerator, s, "model")  # no reference
     optimizer, scheduler = make_optimizer(model, s.optim, s.total_steps)
     models = {"model": (model, optimizer)}
     logger, start, skipped = open_log(accelerator, cfg, "sft", resume_from, models, scheduler)
-    sharded = fsdp is not None
-    fwd = Forward(1.0, autocast_dtype(s.dtype), batch_layout(s, sharded))  # log π at temperature 1
-    if fwd.layout == "packed":  # attention within each prompt / prompt+response group of the packed row
-        use_varlen_attention(accelerator.unwrap_model(model))
     model.train()
 
     def sft_loss(mb_rows, tokens: float):
@@ -176,7 +167,8 @@ def main(cfg: SFTStage):
             metrics.update(evaluate(step + 1))
         metrics["time/step_s"] = time.perf_counter() - t0
         logger.log(metrics, step + 1)
-        print0(f"step {step + 1}  " + console_line(metrics, ["loss", "val/loss", "val/score/mean", "lr", "time/step_s"]))
+        print0(f"step {step + 1}  " + console_line(metrics, ["loss", "val/loss", "val/score/mean", "lr",
+                                                             "time/step_s"]))
         skips.check(step + 1, "sft", s.output_dir)  # nothing learnt: no final/
 
         # ---- 4. checkpoint every save_freq steps and at the end; SIGTERM or Ctrl-C: also, then stop

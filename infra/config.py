@@ -286,7 +286,7 @@ class Config:
 
 @dataclass
 class RewardModelConfig(LoRAFields, RunFields, ModelFolderFields):
-    model_path: str = "models/SmolLM2-135M-Instruct"
+    model_path: str = ModelConfig.path  # the demo model, ppo.py's policy too
     """backbone for the Bradley-Terry reward model: a causal LM folder (a 1-output `score` head is added)"""
     tokenizer_path: Optional[str] = None
     """tokenizer folder; null means model_path. It is saved with the reward model and renders PPO's texts"""
@@ -309,7 +309,7 @@ class RewardModelConfig(LoRAFields, RunFields, ModelFolderFields):
     """pairs per optimiser step, over all processes"""
     micro_batch_size_per_device: int = 16
     """pairs per forward/backward on one process (2× as many sequences); accumulation fills the batch"""
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=5e-4, warmup_ratio=0.05, min_lr_ratio=0.1))
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=5e-4))
     """reward-model optimiser"""
     max_grad_norm: float = 1.0
     """gradient clipping norm"""

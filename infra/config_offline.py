@@ -1,18 +1,19 @@
 """The offline stages' config keys: sft.py reads `SFTStage` (the `sft:` section of configs.yaml), dpo.py `DPOStage`
 (`dpo:`). They share OfflineFields: the model, the LoRA and run fields (infra/config.py's), the data, the sizes, the
 optimiser and the greedy validation on the task's prompts that PPO runs too (val/score/mean, one yardstick for SFT,
-DPO and PPO). Each key: its type, its default (written here once) and, in the string under it, its meaning.
+DPO and PPO). Each key: its type, its default (written once: here, or infra/config.py's where ppo.py's must be the
+same, as the demo model and that validation) and, in the string under it, its meaning.
 """
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from infra.config import LoRAFields, ModelFolderFields, RunFields
+from infra.config import DataConfig, LoRAFields, ModelConfig, ModelFolderFields, RolloutConfig, RunFields
 from infra.config_rl import OptimConfig
 
 
 @dataclass
 class OfflineFields(LoRAFields, RunFields, ModelFolderFields):
-    model_path: str = "models/SmolLM2-135M-Instruct"
+    model_path: str = ModelConfig.path  # the demo model, ppo.py's policy too
     """the causal LM to train: a folder (or a hub id); another stage's final/ (sft → dpo) is one"""
     tokenizer_path: Optional[str] = None
     """tokenizer folder; null means model_path. It is saved with final/"""
@@ -35,12 +36,12 @@ class OfflineFields(LoRAFields, RunFields, ModelFolderFields):
     """held-out rows of the same kind, scored each eval_freq steps (the loss and its metrics); null = none"""
     val_max_rows: int = 100
     """use at most this many of val_files' rows (0 = all)"""
-    val_prompts: Optional[str] = "data/arithmetic/val.parquet"
+    val_prompts: Optional[str] = DataConfig.val_files  # ppo.py's validation: one yardstick (val/score/mean)
     """RL prompts (data.load_rl_dataset's layout) answered greedily and scored by their data_source's rule, as
     ppo.py validates: val/score/mean; null = none"""
-    val_max_samples: int = 200
+    val_max_samples: int = DataConfig.val_max_samples
     """answer at most this many of val_prompts (0 = all)"""
-    max_response_length: int = 16
+    max_response_length: int = RolloutConfig.max_response_length
     """most tokens of a validation answer"""
     val_before_train: bool = True
     """answer val_prompts once before the first step"""
@@ -52,7 +53,7 @@ class OfflineFields(LoRAFields, RunFields, ModelFolderFields):
     """rows (pairs for dpo.py) per optimiser step, over all processes"""
     micro_batch_size_per_device: int = 16
     """rows per forward/backward on one process; accumulation fills the batch"""
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4, warmup_ratio=0.05, min_lr_ratio=0.1))
+    optim: OptimConfig = field(default_factory=OptimConfig)
     """optimiser"""
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
@@ -64,7 +65,7 @@ class OfflineFields(LoRAFields, RunFields, ModelFolderFields):
 
 @dataclass
 class SFTConfig(OfflineFields):
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-4, warmup_ratio=0.05, min_lr_ratio=0.1))
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-4))
     output_dir: str = "outputs/sft"
     """metrics.jsonl, config.yaml, checkpoints, final/ (the model, LoRA merged, and tokenizer), final_adapter/"""
     project_name: str = "sft"
@@ -84,7 +85,7 @@ class DPOConfig(OfflineFields):
     precompute_ref_log_probs: bool = False
     """compute the reference's log-probs of every training pair once before the first step (one pass, no grad),
     not at every step"""
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=5e-4, warmup_ratio=0.05, min_lr_ratio=0.1))
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=5e-4))
     output_dir: str = "outputs/dpo"
     """metrics.jsonl, config.yaml, checkpoints, final/ (the model, LoRA merged, and tokenizer), final_adapter/"""
     project_name: str = "dpo"

@@ -1,10 +1,12 @@
 """What the stages that train on a fixed dataset (reward_model.py, sft.py, dpo.py) share around their loss: the checks
-before a model loads, the step's rows, the batch in ppo.py's layout, the metrics log and resume, the count of skipped
-steps, the checkpoint (and the stop on a signal), and final/ as a plain HF folder, the LoRA adapter merged.
+before a model loads, the policy loaded and placed (sft.py, dpo.py), the step's rows, the batch in ppo.py's layout,
+the metrics log and resume, the count of skipped steps, the checkpoint (and the stop on a signal), and final/ as a
+plain HF folder, the LoRA adapter merged.
 
     accelerator, lock, resume_from, finished = begin(cfg, "dpo")     # before any model loads
     tokenizer = check_folders(section, "dpo")
     local, micro = check_batch(section, "dpo", num_processes, len(rows), "pairs", print0)
+    policy, ref, fwd, sharded = load_policy_to_train(accelerator, section, "policy", reference=frozen_copy)
     logger, start, skipped = open_log(accelerator, cfg, "dpo", resume_from, models, scheduler)
     …
     checkpoint_or_stop(accelerator, section, step + 1, last, models, state, stop_signal, logger)
@@ -21,9 +23,11 @@ import torch
 from accelerate.utils import set_seed
 
 from infra import cli
+from infra.batches import autocast_dtype, Forward
 from infra.checks import exact_div
 from infra.config import ConfigError
-from infra.distributed import fsdp_from_launcher, full_state_dict, make_accelerator
+from infra.distributed import describe, distribute, fsdp_from_launcher, full_state_dict, make_accelerator
+from infra.layouts import batch_layout, use_varlen_attention
 from infra.metrics import check_loggers, MetricsLogger, plot_curves, wandb_resume_id
 from infra.models import check_model_path, load_policy, load_tokenizer, save_pretrained_atomic
 from infra.optim import restore_schedule
@@ -87,6 +91,24 @@ def batch_indices(step: int, n: int, batch_size: int, seed: int) -> list[int]:
     epoch, k = divmod(step, n // batch_size)
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
     return perm[k * batch_size:(k + 1) * batch_size].tolist()
+
+
+def load_policy_to_train(accelerator, section, name: str, reference=None):
+    """sft.py's and dpo.py's models on this process: the policy from section.model_path (models.load_policy: LoRA or
+    full weights), then the frozen model that `reference()` loads (dpo.py's; None: none), each sharded under an FSDP2
+    launcher, else the policy replicated (DDP), said in one line (the policy named `name`); and the forward that
+    reads them, log π at temperature 1 in the section's layout. The reference loads only once the policy is placed,
+    so that a process never holds two whole copies. Returns (policy, reference or None, fwd, sharded)."""
+    fsdp = fsdp_from_launcher(autocast_dtype(section.dtype))  # the accelerate config's FSDP2 settings, or None
+    policy = distribute(load_policy(section, section.model_path), accelerator, fsdp, trainable=True)
+    ref = distribute(reference(), accelerator, fsdp, trainable=False) if reference else None
+    accelerator.print(describe(fsdp, accelerator, [name] + (["reference"] if ref is not None else [])))
+    sharded = fsdp is not None
+    fwd = Forward(1.0, autocast_dtype(section.dtype), batch_layout(section, sharded))  # log π at temperature 1
+    if fwd.layout == "packed":  # attention within each prompt / prompt+response group of the packed row
+        for model in [accelerator.unwrap_model(policy)] + ([ref] if ref is not None else []):
+            use_varlen_attention(model)
+    return policy, ref, fwd, sharded
 
 
 def completion_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: int, device) -> dict:
@@ -157,14 +179,18 @@ def held_out_slices(rows: int, micro: int, accelerator, sharded: bool) -> list:
 def finish(accelerator, model, tokenizer, section, curves: list, sharded: bool) -> None:
     """The end of sft.py and dpo.py: rank 0 writes final/ (save_merged) and curves.png (the panels `curves`, from
     metrics.jsonl); then every process leaves together. Sharded (FSDP2), every process first takes part in gathering
-    the weights, which rank 0 loads into a whole copy on the CPU to merge and save."""
+    the weights, which rank 0 saves as they are (as ppo.py's save_final); with a LoRA adapter it loads them into a
+    whole copy on the CPU first, since merging the adapter needs its layers whole."""
     state_dict = full_state_dict(model) if sharded else None  # a collective under FSDP2
     if accelerator.is_main_process:
         whole = accelerator.unwrap_model(model)
-        if sharded:
+        if sharded and section.lora_rank > 0:
             whole = load_policy(section, section.model_path)
             whole.load_state_dict(state_dict)
-        final = save_merged(whole, tokenizer, section.output_dir, (section.model_path,))
+            state_dict = None  # the copy holds them
+        elif sharded:
+            state_dict = tied_as_in(whole, state_dict)
+        final = save_merged(whole, tokenizer, section.output_dir, (section.model_path,), state_dict)
         metrics_path = os.path.join(section.output_dir, "metrics.jsonl")
         if os.path.exists(metrics_path):
             plot_curves(metrics_path, os.path.join(section.output_dir, "curves.png"), curves)
@@ -173,13 +199,24 @@ def finish(accelerator, model, tokenizer, section, curves: list, sharded: bool) 
     accelerator.end_training()
 
 
-def save_merged(hf_model, tokenizer, output_dir: str, inputs: tuple = ()) -> str:
+def tied_as_in(model, state_dict: dict) -> dict:
+    """`state_dict` (full_state_dict's) with a weight that `model` holds under several names (a head tied to the token
+    embedding, as SmolLM2's) one tensor again under each: gathering copies it per name, and save_pretrained saves a
+    tied weight once only where its names share one tensor."""
+    out, first = dict(state_dict), {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        out[name] = out[first.setdefault(id(param), name)]
+    return out
+
+
+def save_merged(hf_model, tokenizer, output_dir: str, inputs: tuple = (), state_dict=None) -> str:
     """final/ = the model as a plain HF folder (a LoRA adapter merged in, the adapter alone kept in final_adapter/),
-    with its tokenizer: the next stage's model path. Rank 0 calls it; returns final/'s path."""
-    final = os.path.join(output_dir, "final")
+    with its tokenizer: the next stage's model path. state_dict: a sharded model's weights gathered whole (without
+    an adapter; None: the model's own). Rank 0 calls it; returns final/'s path."""
+    final = os.path.join(output_dir, "final")  # overwrite=True below: final/ and final_adapter/ are this run's own
     if hasattr(hf_model, "merge_and_unload"):
         save_pretrained_atomic(hf_model, tokenizer, os.path.join(output_dir, "final_adapter"), overwrite=True,
                                inputs=inputs)
         hf_model = hf_model.merge_and_unload()
-    save_pretrained_atomic(hf_model, tokenizer, final, overwrite=True, inputs=inputs)  # this run's own folders
+    save_pretrained_atomic(hf_model, tokenizer, final, state_dict, overwrite=True, inputs=inputs)
     return final
