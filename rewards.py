@@ -174,17 +174,20 @@ def one_rule(sources: list) -> bool:
     return len(sources) == 1 and sources[0] in (("rule", 1.0), ("function", 1.0))
 
 
-def check_reward_inputs(cfg_reward, trust_remote_code: bool = False) -> None:
+def check_reward_inputs(cfg_reward, trust_remote_code: bool = False):
     """Before any model loads: reward.sources and reward.weights agree and name scorers, reward.function imports,
-    and each source's inputs are there (CHECKS)."""
+    and each source's inputs are there (CHECKS). Returns reward.function's worker, one process that has imported it,
+    for check_sample_call to call and stop once the data is read (None without a reward.function)."""
     for name, _ in reward_sources(cfg_reward):
         if name not in SCORERS:
             raise ConfigError(f"reward.sources: {name!r} is not one of {', '.join(SCORERS)}")
-    if cfg_reward.function:  # it imports (once, in a worker, which then stops)
-        load_reward_function(cfg_reward.function, cfg_reward.timeout_s).close()
+    worker = None
+    if cfg_reward.function:  # it imports, in a worker process (never in this one: infra/worker.py)
+        worker = load_reward_function(cfg_reward.function, cfg_reward.timeout_s, style=cfg_reward.function_style)
     for name, _ in reward_sources(cfg_reward):
         if name in CHECKS:
             load_target(CHECKS[name])(cfg_reward, trust_remote_code)
+    return worker
 
 
 def check_data_sources(sources, reward_cfg) -> None:
@@ -260,15 +263,14 @@ def function_results(compute_score, rows: list[dict], responses: list[str], comp
     return load_target(REWARD_STYLES[style])(call, rows, responses, completion_ids)
 
 
-def check_sample_call(cfg_reward, row: dict) -> None:
+def check_sample_call(cfg_reward, worker, row: dict) -> None:
     """Before the policy loads: a batched reward.function (TRL's, OpenRLHF's) called once on `row`, the data's first,
-    with its ground truth as the response; a call that fails, or returns other than one reward for it, is a
-    ConfigError naming the file, the function and the error. (verl's per-sample functions, and TRL's that read the
-    `environments` only an episode makes, are not called here: one failing on every sample stops step 1 with its
-    first error.)"""
-    if not cfg_reward.function:
+    with its ground truth as the response, in `worker` (check_reward_inputs', which stops here; None: no
+    reward.function); a call that fails, or returns other than one reward for it, is a ConfigError naming the file,
+    the function and the error. (verl's per-sample functions, and TRL's that read the `environments` only an episode
+    makes, are not called here: one failing on every sample stops step 1 with its first error.)"""
+    if worker is None:
         return
-    worker = load_reward_function(cfg_reward.function, cfg_reward.timeout_s, style=cfg_reward.function_style)
     try:
         if worker.style != "verl" and "environments" not in worker.params:
             for result in function_results(worker, [row], [str(row.get("ground_truth") or "")]):
