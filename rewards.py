@@ -174,7 +174,7 @@ def one_rule(sources: list) -> bool:
     return len(sources) == 1 and sources[0] in (("rule", 1.0), ("function", 1.0))
 
 
-def check_reward_inputs(cfg_reward, trust_remote_code: bool = False):
+def check_reward_inputs(cfg_reward, trust_remote_code: bool = False) -> Optional[FunctionWorker]:
     """Before any model loads: reward.sources and reward.weights agree and name scorers, reward.function imports,
     and each source's inputs are there (CHECKS). Returns reward.function's worker, one process that has imported it,
     for check_sample_call to call and stop once the data is read (None without a reward.function)."""
@@ -263,7 +263,7 @@ def function_results(compute_score, rows: list[dict], responses: list[str], comp
     return load_target(REWARD_STYLES[style])(call, rows, responses, completion_ids)
 
 
-def check_sample_call(cfg_reward, worker, row: dict) -> None:
+def check_sample_call(cfg_reward, worker: Optional[FunctionWorker], row: dict) -> None:
     """Before the policy loads: a batched reward.function (TRL's, OpenRLHF's) called once on `row`, the data's first,
     with its ground truth as the response, in `worker` (check_reward_inputs', which stops here; None: no
     reward.function); a call that fails, or returns other than one reward for it, is a ConfigError naming the file,
