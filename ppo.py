@@ -288,7 +288,7 @@ def check_inputs(cfg, num_processes: int, print0=print) -> Inputs:
     needs_critic = cfg.algorithm.adv_estimator in NEEDS_CRITIC
     check_model_folders(cfg.model, (cfg.critic.model_path or cfg.model.path) if needs_critic else None)
     check_teacher(cfg.algorithm.teacher, cfg.model)
-    check_reward_inputs(cfg.reward, cfg.model.trust_remote_code)
+    reward_worker = check_reward_inputs(cfg.reward, cfg.model.trust_remote_code)  # reward.function imported, or None
     check_loggers(cfg.trainer.logger, "trainer.logger")
     fsdp_from_launcher()
     tokenizer = policy_tokenizer(cfg.model)
@@ -299,7 +299,7 @@ def check_inputs(cfg, num_processes: int, print0=print) -> Inputs:
         default_source="environment" if cfg.rollout.multi_turn.env else "unknown")  # environments: no data_source
     sizes = check_sizes(cfg, num_processes, len(train_rows))
     check_data_sources({r["data_source"] for r in train_rows + val_rows}, cfg.reward)  # each has a rule
-    check_sample_call(cfg.reward, train_rows[0])  # a TRL or OpenRLHF reward function takes its keywords
+    check_sample_call(cfg.reward, reward_worker, train_rows[0])  # a TRL or OpenRLHF reward function takes its keywords
     turns = check_turns(cfg, tokenizer, train_rows + val_rows)  # multi-turn: the environment starts, fits; or None
     references = reference_text(cfg, val_rows, tokenizer)  # val/perplexity's text (data.val_reference)
     check_best_metric(cfg, {r["data_source"] for r in val_rows}, turns.metric_names() if turns else (), references)

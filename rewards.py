@@ -13,11 +13,8 @@ ends or kills its worker is an error for its sample (reward/errors), never the e
 not finite or beyond ±reward.max_abs_score. Besides "score" it may return step rewards, "step_rewards" with
 "step_ends", which land on the tokens that end the steps (scorers/steps.py), as a process reward model's would.
 """
-import asyncio
 import functools
-import inspect
 import math
-import numbers
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -29,6 +26,7 @@ from accelerate.utils import gather_object
 from infra.batches import autocast_dtype
 from infra.checks import reward_sources
 from infra.config import ConfigError, load_target
+from infra.reward_calls import as_score, call_reward, verl_calls
 from infra.rollout_common import add_token_rewards, cut_off, Samples, with_conversations
 from infra.runs import Interrupted
 from infra.worker import CallFailed, FunctionWorker, parameters, Pool, WorkerStartError
@@ -159,7 +157,7 @@ class FunctionScorer:
 # reward.sources' names → scorer (a feature folder's as "module:name", imported only by a run that names it)
 SCORERS = {"rule": RuleScorer, "function": FunctionScorer, "model": "scorers.model:RewardModelScorer.from_config",
            "judge": "scorers.judge:JudgeScorer", "remote": "scorers.remote:RemoteScorer"}
-# reward.function's batched calling conventions (verl's per-sample compute_score is verl_calls, here)
+# reward.function's batched calling conventions (verl's per-sample compute_score: infra/reward_calls.verl_calls)
 REWARD_STYLES = {"trl": "scorers.function_styles:trl_style", "openrlhf": "scorers.function_styles:openrlhf_style"}
 STEP_REWARDS = "scorers.steps:step_rewards"  # a function's step rewards → (token rewards, metrics), imported on use
 # a source's check before any model loads (cfg_reward, trust_remote_code), where it has one
@@ -176,17 +174,20 @@ def one_rule(sources: list) -> bool:
     return len(sources) == 1 and sources[0] in (("rule", 1.0), ("function", 1.0))
 
 
-def check_reward_inputs(cfg_reward, trust_remote_code: bool = False) -> None:
+def check_reward_inputs(cfg_reward, trust_remote_code: bool = False) -> Optional[FunctionWorker]:
     """Before any model loads: reward.sources and reward.weights agree and name scorers, reward.function imports,
-    and each source's inputs are there (CHECKS)."""
+    and each source's inputs are there (CHECKS). Returns reward.function's worker, one process that has imported it,
+    for check_sample_call to call and stop once the data is read (None without a reward.function)."""
     for name, _ in reward_sources(cfg_reward):
         if name not in SCORERS:
             raise ConfigError(f"reward.sources: {name!r} is not one of {', '.join(SCORERS)}")
-    if cfg_reward.function:  # it imports (once, in a worker, which then stops)
-        load_reward_function(cfg_reward.function, cfg_reward.timeout_s).close()
+    worker = None
+    if cfg_reward.function:  # it imports, in a worker process (never in this one: infra/worker.py)
+        worker = load_reward_function(cfg_reward.function, cfg_reward.timeout_s, style=cfg_reward.function_style)
     for name, _ in reward_sources(cfg_reward):
         if name in CHECKS:
             load_target(CHECKS[name])(cfg_reward, trust_remote_code)
+    return worker
 
 
 def check_data_sources(sources, reward_cfg) -> None:
@@ -210,7 +211,7 @@ def rule_needing_truth(data_source, cfg_reward):
     return f"{rule.__module__.split('.')[-1]}.{rule.__name__}"
 
 
-# ---- a reward function, called as verl (or TRL, or OpenRLHF) calls it
+# ---- a reward function, called as verl (or TRL, or OpenRLHF) calls it (each call: infra/reward_calls.py)
 
 
 def load_reward_function(spec, timeout_s: float, stop=None, pool: Pool = Pool(), style: str = "auto"):
@@ -262,15 +263,14 @@ def function_results(compute_score, rows: list[dict], responses: list[str], comp
     return load_target(REWARD_STYLES[style])(call, rows, responses, completion_ids)
 
 
-def check_sample_call(cfg_reward, row: dict) -> None:
+def check_sample_call(cfg_reward, worker: Optional[FunctionWorker], row: dict) -> None:
     """Before the policy loads: a batched reward.function (TRL's, OpenRLHF's) called once on `row`, the data's first,
-    with its ground truth as the response; a call that fails, or returns other than one reward for it, is a
-    ConfigError naming the file, the function and the error. (verl's per-sample functions, and TRL's that read the
-    `environments` only an episode makes, are not called here: one failing on every sample stops step 1 with its
-    first error.)"""
-    if not cfg_reward.function:
+    with its ground truth as the response, in `worker` (check_reward_inputs', which stops here; None: no
+    reward.function); a call that fails, or returns other than one reward for it, is a ConfigError naming the file,
+    the function and the error. (verl's per-sample functions, and TRL's that read the `environments` only an episode
+    makes, are not called here: one failing on every sample stops step 1 with its first error.)"""
+    if worker is None:
         return
-    worker = load_reward_function(cfg_reward.function, cfg_reward.timeout_s, style=cfg_reward.function_style)
     try:
         if worker.style != "verl" and "environments" not in worker.params:
             for result in function_results(worker, [row], [str(row.get("ground_truth") or "")]):
@@ -281,67 +281,6 @@ def check_sample_call(cfg_reward, row: dict) -> None:
                           f"its sample call on the data's first row: {e}") from None
     finally:
         worker.close()
-
-
-def verl_calls(rows: list[dict], responses: list[str]) -> list[dict]:
-    """For each (row, response), compute_score's keywords as verl gives them: data_source, solution_str, ground_truth,
-    extra_info."""
-    if len(rows) != len(responses):
-        raise ValueError(f"score_responses got {len(rows)} rows but {len(responses)} responses")
-    # extra_info gets what verl's reward loop adds (reward_loop/reward_manager/naive.py): num_turns, counted as its
-    # agent loops count (the prompt, each assistant turn, each round of tool answers: 2 for a prompt and one
-    # response), and rollout_reward_scores = {} (no rollout-time scores here); from a multi-turn rollout (agents/multi_turn.py)
-    # also the turns (the messages after the prompt), the tool_calls and their tool_results
-    return [dict(data_source=row["data_source"], solution_str=response, ground_truth=row["ground_truth"],
-                 extra_info={**(row.get("extra_info") or {}), **(row.get("conversation") or {"num_turns": 2}),
-                             "rollout_reward_scores": {}})
-            for row, response in zip(rows, responses)]
-
-
-def call_reward(compute_score, calls: list[dict]) -> list:
-    """compute_score(**kwargs) for each call: its result, or the exception it raised. A FunctionWorker runs them in
-    its processes (CallFailed where a call failed there); an `async def` function is awaited for the whole batch at
-    once (asyncio.gather), as verl's reward loop runs it."""
-    if isinstance(compute_score, FunctionWorker):
-        return compute_score.call_all(calls)
-    if not inspect.iscoroutinefunction(compute_score):
-        results = []
-        for kwargs in calls:
-            try:
-                results.append(compute_score(**kwargs))
-            except Exception as e:
-                results.append(e)
-        return results
-
-    async def one(kwargs):
-        return await compute_score(**kwargs)
-
-    async def batch():
-        return await asyncio.gather(*(one(kwargs) for kwargs in calls), return_exceptions=True)
-    return asyncio.run(batch())
-
-
-def as_score(result, max_abs_score: float = math.inf) -> tuple[float, dict]:
-    """(score, extras) from a function's return: a finite number within ±max_abs_score (reward.max_abs_score), or a
-    dict whose "score" is one; extras are its other numbers, and its "pred" as text where it has one (verl's DAPO
-    rule: the answer it read, for maj@k). Beyond the bound is an error: 1e308 is inf in float32."""
-    if isinstance(result, BaseException):  # raised inside an async function, returned by asyncio.gather
-        raise result
-    extras = {}
-    if isinstance(result, dict):
-        if "score" not in result:
-            raise ValueError(f"a reward dict must carry 'score', got keys {sorted(result)}")
-        extras = {k: float(v) for k, v in result.items() if k != "score" and isinstance(v, numbers.Real)}
-        extras.update({"pred": str(result["pred"])} if "pred" in result else {})
-        result = result["score"]
-    if isinstance(result, (str, bytes)) or result is None:
-        raise TypeError(f"a reward function must return a number or a dict, got {result!r}")
-    score = float(result)
-    if not math.isfinite(score):
-        raise ValueError(f"the reward is {score}, not a finite number")
-    if abs(score) > max_abs_score:
-        raise ValueError(f"the reward is {score:g}, beyond reward.max_abs_score={max_abs_score:g}")
-    return score, extras
 
 
 def read_scores(results: list, max_abs_score: float = math.inf) -> tuple[list[float], dict, int]:

@@ -1,8 +1,9 @@
 """reward.function in TRL's and OpenRLHF's calling conventions: one call for the whole batch, where verl's
-compute_score (rewards.verl_calls) is called once per sample. rewards.py names each style's function here on its
-REWARD_STYLES line and recognises a function's style by its parameters (rewards.function_style); each is called as
-style(call, rows, responses, completion_ids) → one result per sample (a number, a dict with "score", or an exception),
-where call(kwargs) makes the one call for the batch and returns what it returned (or the exception it raised).
+compute_score (infra.reward_calls.verl_calls) is called once per sample. rewards.py names each style's function here
+on its REWARD_STYLES line and recognises a function's style by its parameters (rewards.function_style); each is
+called as style(call, rows, responses, completion_ids) → one result per sample (a number, a dict with "score", or an
+exception), where call(kwargs) makes the one call for the batch and returns what it returned (or the exception it
+raised).
 
     # TRL (GRPOTrainer's reward_funcs): prompts and completions, every other column of the data as a keyword
     def reward_len(prompts, completions, **kwargs) -> list[float | None]:   # None: no reward for that sample

@@ -180,6 +180,45 @@ def test_a_trl_reward_function_that_fails_its_sample_call_stops_before_the_polic
         f"completion (1), got 1.0")
 
 
+# a verl and a TRL reward function in one file that notes each process importing it, and each TRL call
+COUNTED = '''
+import os
+
+HERE = os.path.dirname(__file__)
+with open(os.path.join(HERE, "imports.txt"), "a") as f:
+    f.write(f"{os.getpid()}\\n")
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return 1.0
+
+
+def reward_len(completions, **kwargs):
+    with open(os.path.join(HERE, "calls.txt"), "a") as f:
+        f.write(f"{len(completions)}\\n")
+    return [-abs(20 - len(completion[0]["content"])) for completion in completions]
+'''
+
+
+def test_the_start_up_checks_import_a_reward_function_in_one_worker_process(tmp_path):
+    """`ppo.py --check` with a reward.function imports the file in one worker process, which serves both start-up
+    checks: that it imports, and a TRL function's sample call (made once; verl's compute_score is not called). A
+    second worker, started only to learn the function's style, used to import it once more."""
+    model = make_tiny_model(tmp_path / "model")
+    data.write_parquet(trl_rows(), str(tmp_path / "t.parquet"))
+    (tmp_path / "r.py").write_text(COUNTED)
+    for name, sample_calls in [("compute_score", []), ("reward_len", ["1"])]:
+        for log in ("imports.txt", "calls.txt"):
+            (tmp_path / log).unlink(missing_ok=True)
+        proc = subprocess.run([sys.executable, "ppo.py", "--check", *ppo_args(model, tmp_path / "t.parquet",
+                                                                              tmp_path / "out"),
+                               f"reward.function={tmp_path}/r.py:{name}"], cwd=REPO, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        calls = (tmp_path / "calls.txt").read_text().split() if (tmp_path / "calls.txt").exists() else []
+        assert len((tmp_path / "imports.txt").read_text().split()) == 1 and calls == sample_calls, name
+
+
 def test_an_openrlhf_reward_func_file_trains_one_step(tmp_path):
     """OpenRLHF's reward_func(queries, prompts, labels) returning {"rewards", "scores", "extra_logs"}: recognised by
     `queries`, the step runs and the reward arrives, with its extra_logs and scores logged; the tensor-only return

@@ -102,12 +102,13 @@ def test_a_score_beyond_max_abs_score_or_not_finite_is_an_error_and_all_of_them_
     """|score| > reward.max_abs_score (or inf, NaN) is an error for its sample, scored 0 and counted; a reward of
     1e308 on every sample (inf as float32: every step used to be skipped, exit 0) stops the run in one sentence."""
     import rewards
-    assert rewards.as_score(-1e6, 1e6) == (-1e6, {})
+    from infra.reward_calls import as_score
+    assert as_score(-1e6, 1e6) == (-1e6, {})
     for bad, message in [(2e6, "the reward is 2e+06, beyond reward.max_abs_score=1e+06"),
                          ({"score": -3e7}, "the reward is -3e+07, beyond reward.max_abs_score=1e+06"),
                          (math.inf, "the reward is inf, not a finite number")]:
         with pytest.raises(ValueError, match=re.escape(message)):
-            rewards.as_score(bad, 1e6)
+            as_score(bad, 1e6)
     rows = [{"data_source": "x", "ground_truth": "1", "extra_info": {}}]
     worker = rewards.load_reward_function(f"{write(tmp_path / 'r.py', HANGS)}:huge", 5)
     try:
