@@ -176,13 +176,20 @@ def run(model, spec, out, *overrides, nproc=1):
 def test_a_run_raises_the_levels_saves_them_and_resumes_them(tmp_path):
     """ppo.py with a curriculum file whose schedule is automatic (every step): the levels logged go 0, 1, 2 (each
     step's rows made at the level it began with), the rewards arrive without an error, the checkpoint holds the
-    levels, and a resumed run goes on from them; --check reads the file before any model loads."""
+    levels, and a resumed run goes on from them; --check reads the file before any model loads (a truncation that
+    would drop rows, a dataset smaller than a batch: one sentence each)."""
     model = make_tiny_model(tmp_path / "model")
     spec = write_spec(tmp_path / "c.yaml", size=40, automatic=True)
     check = subprocess.run([sys.executable, "ppo.py", "--check", "--config", "configs.yaml", f"model.path={model}",
                             f"data.curriculum={spec}", "data.truncation=filter", "data.max_prompt_length=500"],
                            cwd=REPO, capture_output=True, text=True, timeout=300)
     assert check.returncode != 0 and "data.truncation=filter would drop rows" in check.stderr + check.stdout
+    small = write_spec(tmp_path / "small.yaml", size=2)
+    check = subprocess.run([sys.executable, "ppo.py", "--check", "--config", "configs.yaml", f"model.path={model}",
+                            f"data.curriculum={small}", "data.truncation=left", "data.max_prompt_length=300"],
+                           cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert check.returncode != 0 and "data.curriculum's dataset_size is 2, fewer than data.train_batch_size=4" in (
+        check.stderr + check.stdout)
     proc = run(model, spec, tmp_path / "out", "trainer.total_steps=3")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "curriculum: spell_backward level 1 → 2 (schedule.automatic at step 2)" in proc.stdout
