@@ -27,6 +27,7 @@ from infra.layouts import use_varlen_attention
 from infra.distributed import describe, distribute
 from infra.trunk import describe_trunk, NoEmbedding, Replay
 
+
 def policy_tokenizer(cfg_model):
     """The policy's tokenizer: model.tokenizer_path, else model.path's (load_tokenizer)."""
     key = "model.tokenizer_path" if cfg_model.tokenizer_path else "model.path"
