@@ -85,14 +85,15 @@ from critic import CriticLoss, value_metrics
 from infra import cli, config
 from infra.batches import (autocast_dtype, Forward, micro_batch, per_token_pass, resolve_dtype, set_train_mode,
                            split_micro)
-from infra.checks import check_combinations, check_sizes, describe_guards, needs_reference, Sizes
+from infra.checks import (check_combinations, check_model_folders, check_sizes, describe_guards, needs_reference,
+                          Sizes)
 from infra.config import ConfigError, load_target
 from infra.distributed import fsdp_from_launcher, make_accelerator, max_over_processes, use_cpu
 from infra.layouts import batch_layout
 from infra.metrics import (batch_metrics, check_loggers, console_line, reduce_metrics, sample_table, shown_samples,
                            sum_over_processes, timed)
 from infra.rollout_common import Samples
-from infra.models import check_model_folders, check_teacher, load_models, load_teacher, policy_tokenizer
+from infra.models import check_teacher, load_models, load_teacher, policy_tokenizer
 from infra.optim import make_optimizer, StopAtMicroBatch, train_step
 from infra.runs import check_learning, Interrupted, save_checkpoint, start_run, StopSignal
 from infra.train_state import keep_best, resume, save_final, step_seed, TrainState

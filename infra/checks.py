@@ -1,6 +1,10 @@
 """The checks of a config that need more than one key, before any model loads: ppo.py's derived batch sizes
 (check_sizes) and the settings that cannot work together (check_combinations); validation.check_best_metric
-checks trainer.best_metric. One key's type and range are infra/cli.py's."""
+checks trainer.best_metric; and a model folder, that it holds what loads and nothing that would run code
+(check_model_path). One key's type and range are infra/cli.py's."""
+import json
+import os
+import re
 from dataclasses import dataclass
 
 from infra.config import ConfigError
@@ -162,3 +166,88 @@ def reward_sources(cfg_reward) -> list[tuple[str, float]]:
     if "function" in names and not cfg_reward.function:
         raise ConfigError("reward.sources lists function but reward.function is not set: give path/to/file.py:name")
     return list(zip(names, weights))
+
+
+# ---- model folders: a model and a tokenizer that load, from safetensors, without running code from the folder
+
+
+PICKLE_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt")  # torch.save files: loading one unpickles it
+
+
+def check_model_path(path: str, key: str, need: str = "model", trust_remote_code: bool = False) -> None:
+    """Before anything loads: a local folder that is missing or holds no model (need="model": config.json and
+    safetensors weights) or no tokenizer (need="tokenizer") fails in a sentence; so does a LoRA adapter, a folder
+    of pickle weights only, or one whose model or tokenizer is code in the folder (auto_map) while
+    trust_remote_code is false. A name that reads as a hub id (org/name, where no folder `org` exists here) is
+    left to the hub."""
+    hub_id = re.fullmatch(r"[\w-][\w.-]*(/[\w.-]+)?", path) and not os.path.isdir(path.split("/")[0])
+    if not os.path.isdir(path):
+        if hub_id and not os.path.exists(path):
+            return
+        raise ConfigError(f"{key}: {path} is not a folder; give a local model folder or a hub id (org/name)")
+    files = set(os.listdir(path))
+    if need == "tokenizer":
+        if not {"tokenizer.json", "tokenizer_config.json", "tokenizer.model"} & files:
+            raise ConfigError(f"{key}: {path} holds no tokenizer (tokenizer.json or tokenizer_config.json)")
+        check_no_remote_code(os.path.join(path, "tokenizer_config.json"), key, trust_remote_code)
+        return
+    if "adapter_config.json" in files:
+        raise ConfigError(f"{key}: {path} is a LoRA adapter (adapter_config.json), not a whole model; merge it into "
+                          f"its base first, python tools/merge_lora.py {path} {path}-merged, and give {path}-merged")
+    pickles = sorted(f for f in files if f.endswith(PICKLE_WEIGHTS))
+    if "config.json" in files and pickles and not any(f.endswith(".safetensors") for f in files):
+        raise ConfigError(pickle_sentence(path, pickles, key))
+    if not ("config.json" in files and any(f.endswith(".safetensors") for f in files)):
+        raise ConfigError(f"{key}: {path} holds no model (config.json and *.safetensors weights); give the folder "
+                          f"a model was saved to")
+    check_no_remote_code(os.path.join(path, "config.json"), key, trust_remote_code)
+
+
+def pickle_sentence(path: str, pickles: list, key: str) -> str:
+    """Why a folder of pickle weights is refused, and the command that converts it (run where the file is trusted:
+    torch.load with weights_only=True refuses code, but this library unpickles nothing)."""
+    with open(os.path.join(path, "config.json")) as f:
+        arch = (json.load(f).get("architectures") or ["AutoModelForCausalLM"])[0]
+    return (f"{key}: {path} holds only pickle weights ({', '.join(pickles[:3])}), which this library does not load "
+            f"(unpickling can run code); convert them to safetensors once, where you trust the file: python -c "
+            f"\"from transformers import {arch} as M; M.from_pretrained('{path}').save_pretrained('{path}')\"")
+
+
+def check_no_remote_code(config_file: str, key: str, trust_remote_code: bool) -> None:
+    """A config.json / tokenizer_config.json whose `auto_map` points at Python files in the folder, for a model type
+    or tokenizer class transformers does not have itself (so loading would run that code), fails unless
+    trust_remote_code: transformers would otherwise ask on stdin, and a `yes` piped into a script runs it."""
+    try:
+        with open(config_file) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return  # absent, or not JSON: transformers' own error says so
+    if trust_remote_code or not isinstance(config, dict) or not config.get("auto_map"):
+        return
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if config_file.endswith("tokenizer_config.json"):
+        known = hasattr(transformers, str(config.get("tokenizer_class")))
+    else:
+        known = config.get("model_type") in CONFIG_MAPPING_NAMES
+    if not known:
+        enable = ("--trust-remote-code" if key.startswith("--") else  # a tool's argument
+                  "reward_model.trust_remote_code=true" if key.startswith("reward_model.")
+                  else "model.trust_remote_code=true")
+        names = [v for value in config["auto_map"].values() for v in (value if isinstance(value, list) else [value])]
+        code = sorted({v.split(".")[0] + ".py" for v in names if isinstance(v, str)})  # "planted.Cls" → planted.py
+        raise ConfigError(f"{key}: {config_file} maps its classes to code in the folder "
+                          f"({', '.join(code) or 'auto_map'}), which runs only with {enable}; set it if you trust "
+                          f"that code, or give a folder transformers loads by itself")
+
+
+def check_model_folders(cfg_model, critic_path) -> None:
+    """Before anything loads: the policy's folder and its tokenizer, and the critic's backbone (None: no critic)."""
+    trust = cfg_model.trust_remote_code
+    check_model_path(cfg_model.path, "model.path", trust_remote_code=trust)
+    check_model_path(cfg_model.tokenizer_path or cfg_model.path,
+                     "model.tokenizer_path" if cfg_model.tokenizer_path else "model.path", need="tokenizer",
+                     trust_remote_code=trust)
+    if critic_path is not None:
+        check_model_path(critic_path, "critic.model_path", trust_remote_code=trust)

@@ -1,5 +1,6 @@
-"""What a run reports: metrics.jsonl (and wandb / TensorBoard when asked), the console line, the sample table, the
-reduction of metrics over processes, and curves.png (`python tools/plot_curves.py` draws it for any run).
+"""What a run reports: metrics.jsonl (and wandb / TensorBoard when asked; on resume its lines past the checkpoint are
+dropped, runs.set_aside_later), the console line, the sample table, the reduction of metrics over processes, and
+curves.png (`python tools/plot_curves.py` draws it for any run).
 wandb, TensorBoard and matplotlib are optional: each is imported where it is used."""
 import importlib.util
 import json
@@ -39,6 +40,25 @@ def wandb_resume_id(path):
         with open(id_file) as f:
             return f.read().strip()
     return None
+
+
+def drop_metrics_after(path: str, step: int, moved_to: str = None) -> None:
+    """On resume, forget lines logged after the checkpoint, and a line cut short by a kill, so metrics.jsonl
+    reads as one run. `moved_to`: a file that gets the lines past `step` instead."""
+    if not os.path.exists(path):
+        return
+    kept, later = [], []
+    with open(path) as f:
+        for line in f:
+            try:
+                (kept if json.loads(line)["step"] <= step else later).append(line.rstrip("\n") + "\n")
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue  # the partial last line of a run killed while writing it
+    for lines, target in ((kept, path), (later, moved_to)):
+        if target:
+            with open(target + ".tmp", "w") as f:
+                f.writelines(lines)
+            os.replace(target + ".tmp", target)
 
 
 class MetricsLogger:

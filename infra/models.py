@@ -1,7 +1,7 @@
 """Every model the library builds, in one place: the actor (policy), the reference, the critic (value model) and the
 reward model's classifier, loaded from HF folders in fp32 (the master weights; frozen linear layers in the compute
-dtype: frozen_linears_in), with LoRA where asked and spread over the processes (infra/distributed.py); the tokenizer; the
-checks of a model folder before anything loads; and saving a model as an HF folder.
+dtype: frozen_linears_in), with LoRA where asked and spread over the processes (infra/distributed.py); the
+tokenizer; and saving a model as an HF folder.
 
     policy, ref, critic = load_models(cfg, accelerator, fsdp, fwd, with_critic=True)      # ppo.py
 
@@ -10,25 +10,22 @@ then answer in about 2 s, without their 3 s import.
 
 Nothing here runs code from a model folder or unpickles weights: every from_pretrained passes trust_remote_code
 from the config (model.trust_remote_code, reward_model.trust_remote_code; false by default) and models load from
-safetensors only. check_model_path refuses, in one sentence and before anything loads, a folder that would need
-either, and a LoRA adapter given where a model is expected.
+safetensors only. infra/checks.check_model_path refuses, in one sentence and before anything loads, a folder that
+would need either, and a LoRA adapter given where a model is expected.
 """
 import json
 import os
-import re
 import shutil
 import tempfile
 
 import torch
 
 from infra.batches import autocast_dtype
-from infra.checks import needs_reference
+from infra.checks import check_model_path, needs_reference
 from infra.config import ConfigError, SaveError, write_error
 from infra.layouts import use_varlen_attention
 from infra.distributed import describe, distribute
 from infra.trunk import describe_trunk, NoEmbedding, Replay
-
-PICKLE_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt")  # torch.save files: loading one unpickles it
 
 
 def policy_tokenizer(cfg_model):
@@ -85,85 +82,6 @@ def use_gradient_checkpointing(model) -> None:
     """Keep only each decoder layer's input in the forward pass and recompute the rest in the backward.
     transformers does so only while model.training: ppo.py switches models to train mode for updates."""
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
-
-def check_model_path(path: str, key: str, need: str = "model", trust_remote_code: bool = False) -> None:
-    """Before anything loads: a local folder that is missing or holds no model (need="model": config.json and
-    safetensors weights) or no tokenizer (need="tokenizer") fails in a sentence; so does a LoRA adapter, a folder
-    of pickle weights only, or one whose model or tokenizer is code in the folder (auto_map) while
-    trust_remote_code is false. A name that reads as a hub id (org/name, where no folder `org` exists here) is
-    left to the hub."""
-    hub_id = re.fullmatch(r"[\w-][\w.-]*(/[\w.-]+)?", path) and not os.path.isdir(path.split("/")[0])
-    if not os.path.isdir(path):
-        if hub_id and not os.path.exists(path):
-            return
-        raise ConfigError(f"{key}: {path} is not a folder; give a local model folder or a hub id (org/name)")
-    files = set(os.listdir(path))
-    if need == "tokenizer":
-        if not {"tokenizer.json", "tokenizer_config.json", "tokenizer.model"} & files:
-            raise ConfigError(f"{key}: {path} holds no tokenizer (tokenizer.json or tokenizer_config.json)")
-        check_no_remote_code(os.path.join(path, "tokenizer_config.json"), key, trust_remote_code)
-        return
-    if "adapter_config.json" in files:
-        raise ConfigError(f"{key}: {path} is a LoRA adapter (adapter_config.json), not a whole model; merge it into "
-                          f"its base first, python tools/merge_lora.py {path} {path}-merged, and give {path}-merged")
-    pickles = sorted(f for f in files if f.endswith(PICKLE_WEIGHTS))
-    if "config.json" in files and pickles and not any(f.endswith(".safetensors") for f in files):
-        raise ConfigError(pickle_sentence(path, pickles, key))
-    if not ("config.json" in files and any(f.endswith(".safetensors") for f in files)):
-        raise ConfigError(f"{key}: {path} holds no model (config.json and *.safetensors weights); give the folder "
-                          f"a model was saved to")
-    check_no_remote_code(os.path.join(path, "config.json"), key, trust_remote_code)
-
-
-def pickle_sentence(path: str, pickles: list, key: str) -> str:
-    """Why a folder of pickle weights is refused, and the command that converts it (run where the file is trusted:
-    torch.load with weights_only=True refuses code, but this library unpickles nothing)."""
-    with open(os.path.join(path, "config.json")) as f:
-        arch = (json.load(f).get("architectures") or ["AutoModelForCausalLM"])[0]
-    return (f"{key}: {path} holds only pickle weights ({', '.join(pickles[:3])}), which this library does not load "
-            f"(unpickling can run code); convert them to safetensors once, where you trust the file: python -c "
-            f"\"from transformers import {arch} as M; M.from_pretrained('{path}').save_pretrained('{path}')\"")
-
-
-def check_no_remote_code(config_file: str, key: str, trust_remote_code: bool) -> None:
-    """A config.json / tokenizer_config.json whose `auto_map` points at Python files in the folder, for a model type
-    or tokenizer class transformers does not have itself (so loading would run that code), fails unless
-    trust_remote_code: transformers would otherwise ask on stdin, and a `yes` piped into a script runs it."""
-    try:
-        with open(config_file) as f:
-            config = json.load(f)
-    except (OSError, ValueError):
-        return  # absent, or not JSON: transformers' own error says so
-    if trust_remote_code or not isinstance(config, dict) or not config.get("auto_map"):
-        return
-    import transformers
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-
-    if config_file.endswith("tokenizer_config.json"):
-        known = hasattr(transformers, str(config.get("tokenizer_class")))
-    else:
-        known = config.get("model_type") in CONFIG_MAPPING_NAMES
-    if not known:
-        enable = ("--trust-remote-code" if key.startswith("--") else  # a tool's argument
-                  "reward_model.trust_remote_code=true" if key.startswith("reward_model.")
-                  else "model.trust_remote_code=true")
-        names = [v for value in config["auto_map"].values() for v in (value if isinstance(value, list) else [value])]
-        code = sorted({v.split(".")[0] + ".py" for v in names if isinstance(v, str)})  # "planted.Cls" → planted.py
-        raise ConfigError(f"{key}: {config_file} maps its classes to code in the folder "
-                          f"({', '.join(code) or 'auto_map'}), which runs only with {enable}; set it if you trust "
-                          f"that code, or give a folder transformers loads by itself")
-
-
-def check_model_folders(cfg_model, critic_path) -> None:
-    """Before anything loads: the policy's folder and its tokenizer, and the critic's backbone (None: no critic)."""
-    trust = cfg_model.trust_remote_code
-    check_model_path(cfg_model.path, "model.path", trust_remote_code=trust)
-    check_model_path(cfg_model.tokenizer_path or cfg_model.path,
-                     "model.tokenizer_path" if cfg_model.tokenizer_path else "model.path", need="tokenizer",
-                     trust_remote_code=trust)
-    if critic_path is not None:
-        check_model_path(critic_path, "critic.model_path", trust_remote_code=trust)
 
 
 def reference_dtype(device: torch.device, compute_dtype) -> torch.dtype:

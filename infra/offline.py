@@ -24,12 +24,12 @@ from accelerate.utils import set_seed
 
 from infra import cli
 from infra.batches import autocast_dtype, Forward
-from infra.checks import exact_div
+from infra.checks import check_model_path, exact_div
 from infra.config import ConfigError
 from infra.distributed import describe, distribute, fsdp_from_launcher, full_state_dict, make_accelerator
 from infra.layouts import batch_layout, use_varlen_attention
 from infra.metrics import check_loggers, MetricsLogger, plot_curves, wandb_resume_id
-from infra.models import check_model_path, load_policy, load_tokenizer, save_pretrained_atomic
+from infra.models import load_policy, load_tokenizer, save_pretrained_atomic
 from infra.optim import restore_schedule
 from infra.rollout_common import left_pad, right_pad
 from infra.runs import resume_or_start, save_checkpoint, skipped_steps_error, start_run

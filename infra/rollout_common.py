@@ -1,6 +1,7 @@
 """What every rollout kind shares (rollout.py's, rollout_kinds/server.py's, agents/multi_turn.py's loop): the Rollout
 record they return and the Samples that step 3 makes of it, padded token rows, where a response ends, each prompt's
-sampling seed and budget, and the policy's weights streamed whole for an engine or a server to load."""
+sampling seed and budget, and the policy's weights (or a LoRA policy's adapter alone) streamed whole for an engine or
+a server to load."""
 import queue
 import random
 import threading
@@ -172,6 +173,15 @@ def policy_weights(model):
                     B, A = (whole(state[f"{name}.lora_{m}.{a}.weight"]) for m in "BA")  # (out, r), (r, in)
                     w = w + layer.scaling[a] * (B @ A)
         yield key.removeprefix("base_model.model.").replace(".base_layer.", "."), w
+
+
+def adapter_weights(model):
+    """A PEFT actor's adapter tensors, whole, under the names PEFT saves them by (vLLM's runtime LoRA loading reads
+    that folder); gathered one at a time under FSDP2, in the same order on every process."""
+    from peft import get_peft_model_state_dict
+
+    for key, w in get_peft_model_state_dict(model).items():
+        yield key, whole(w)
 
 
 class InTurn:

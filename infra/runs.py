@@ -28,27 +28,9 @@ from infra import cli
 from infra.config import ConfigError, SaveError, write_error
 from infra.distributed import load_training_state, save_training_state
 from infra.manifests import BASES_FILE, BEST, changed_base, checkpoint_problem, fingerprint, write_manifest
+from infra.metrics import drop_metrics_after
 
 WRITE_ERRORS = (OSError, SafetensorError, CheckpointException)  # a full disk or a folder made read-only
-
-
-def drop_metrics_after(path: str, step: int, moved_to: str = None) -> None:
-    """On resume, forget lines logged after the checkpoint, and a line cut short by a kill, so metrics.jsonl
-    reads as one run. `moved_to`: a file that gets the lines past `step` instead."""
-    if not os.path.exists(path):
-        return
-    kept, later = [], []
-    with open(path) as f:
-        for line in f:
-            try:
-                (kept if json.loads(line)["step"] <= step else later).append(line.rstrip("\n") + "\n")
-            except (json.JSONDecodeError, KeyError, TypeError):
-                continue  # the partial last line of a run killed while writing it
-    for lines, target in ((kept, path), (later, moved_to)):
-        if target:
-            with open(target + ".tmp", "w") as f:
-                f.writelines(lines)
-            os.replace(target + ".tmp", target)
 
 
 def best_step(output_dir: str) -> Optional[float]:
@@ -244,8 +226,9 @@ def lock_output_dir(accelerator, output_dir: str, key: str):
 def start_run(accelerator, cfg, stage: str, unused: frozenset = frozenset()):
     """Before any model loads (stage: "trainer" or "reward_model", the section with output_dir, resume and
     total_steps): lock the output folder, find the checkpoint to resume from, check this config against the one
-    it was trained with (cli.resume_changes; `unused`: keys this run does not read) and print what changed. Returns (lock, checkpoint or None, finished), finished when
-    that checkpoint is at total_steps and final/ exists: there is nothing to train."""
+    it was trained with (cli.resume_changes; `unused`: keys this run does not read) and print what changed. Returns
+    (lock, checkpoint or None, finished), finished when that checkpoint is at total_steps and final/ exists: there is
+    nothing to train."""
     section = getattr(cfg, stage)
     lock = lock_output_dir(accelerator, section.output_dir, f"{stage}.output_dir")
     path = intact_resume(accelerator, section.resume, section.output_dir, f"{stage}.resume")

@@ -40,10 +40,9 @@ from safetensors.torch import save_file
 
 from infra.batches import autocast_dtype
 from infra.config import ConfigError
-from infra.distributed import whole
 from infra.runs import RunError
-from infra.rollout_common import (cut_at_eos, eos_ids_of, kv_cache_bytes, policy_weights, prompt_seeds,
-                                   prompts_and_budgets, right_pad, Rollout)
+from infra.rollout_common import (adapter_weights, cut_at_eos, eos_ids_of, kv_cache_bytes, policy_weights,
+                                   prompt_seeds, prompts_and_budgets, right_pad, Rollout)
 
 SERVED_NAME = "policy"  # the name the child serves model.path under
 
@@ -295,12 +294,6 @@ def tail(path: str, chars: int = 1500) -> str:
         return f.read()[-chars:]
 
 
-def replace_folder(old: str, new: str) -> None:
-    """The previous push's folder is deleted once the server has read the new one."""
-    if old and old != new:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 class ServerRollout:
     """A vLLM OpenAI-compatible server in its own process (rollout_kinds/server.py): this run's child on rollout.server's
     cores or devices, or the one at rollout.server.url. Every process sends its own prompts, one request each;
@@ -371,7 +364,7 @@ class ServerRollout:
             else:
                 save_weights(weights, folder)
                 self.client.reload_weights(folder)
-            replace_folder(old, folder)
+            shutil.rmtree(old, ignore_errors=True)  # the previous push's, once the server has read this one
         else:
             for _ in weights:  # the gathers are collectives: every process walks the weights
                 pass
@@ -390,12 +383,3 @@ class ServerRollout:
             post(f"{self.client.url}/v1/unload_lora_adapter", {"lora_name": self.model_name}, self.client.timeout)
         if self.accelerator.is_main_process:
             shutil.rmtree(self.folder, ignore_errors=True)
-
-
-def adapter_weights(model):
-    """A PEFT actor's adapter tensors, whole, under the names PEFT saves them by (vLLM's runtime LoRA loading reads
-    that folder); gathered one at a time under FSDP2, in the same order on every process."""
-    from peft import get_peft_model_state_dict
-
-    for key, w in get_peft_model_state_dict(model).items():
-        yield key, whole(w)

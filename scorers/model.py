@@ -11,8 +11,9 @@ import torch
 
 import data
 from infra.batches import autocast
+from infra.checks import check_model_path
 from infra.config import ConfigError
-from infra.models import check_model_path, load_reward_classifier, load_tokenizer
+from infra.models import load_reward_classifier, load_tokenizer
 from infra.rollout_common import right_pad
 from rewards import Scores, Setup
 

@@ -493,7 +493,7 @@ def test_a_fresh_start_moves_the_checkpoints_of_an_earlier_run_aside(workdir, tm
 def test_metrics_past_the_checkpoint_and_a_cut_off_line_are_dropped(tmp_path):
     """drop_metrics_after keeps the lines up to the step, moves later ones aside when asked, and skips a line
     that a kill cut short (it would otherwise stop the resume with a JSON error)."""
-    from infra.runs import drop_metrics_after
+    from infra.metrics import drop_metrics_after
     path, aside = tmp_path / "metrics.jsonl", tmp_path / "aside.jsonl"
     path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n{"step": 4, "a')
     drop_metrics_after(str(path), 2, str(aside))

@@ -114,7 +114,7 @@ def test_a_yes_piped_into_the_run_does_not_run_a_model_folders_code(workdir, tmp
     """`yes | python ppo.py model.path=<a folder whose config maps to its own planted.py>`: transformers used to ask
     on stdin and run the code on `y`; now the run ends in one sentence naming model.trust_remote_code, exit 1, and
     the code never ran. With model.trust_remote_code=true the check lets the folder through (the user's choice)."""
-    from infra.models import check_model_path
+    from infra.checks import check_model_path
     from test_faults import planted_folder
     planted = planted_folder(tmp_path / "planted", workdir, tmp_path)
     cmd = [sys.executable, "ppo.py", "--config", "configs.yaml", *base_args(workdir, tmp_path / "out"),

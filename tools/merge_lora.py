@@ -24,9 +24,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch
 
+from infra.checks import check_model_path
 from infra.config import ConfigError
 from infra.manifests import check_outside_runs
-from infra.models import check_model_path, check_output_folder, save_pretrained_atomic
+from infra.models import check_output_folder, save_pretrained_atomic
 
 
 def resolve_base(adapter_dir: str) -> str:
