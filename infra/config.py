@@ -8,7 +8,6 @@ need more than one key (batch sizes, settings that only work together) are infra
 """
 import functools
 import importlib
-import re
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
@@ -77,10 +76,8 @@ class DataConfig:
     val_max_samples: int = 200
     """validate on at most this many rows (0 = all)"""
     curriculum: Optional[str] = None
-    """reasoning-gym's curriculum, a YAML file as its training configs write it (a curriculum: block with curricula:,
-    last_k, success_threshold, failure_threshold, schedule; reasoning_gym: dataset_size, developer_prompt): the
-    training and validation rows are its tasks' entries, made at levels that follow each task's accuracy
-    (agents/reasoning_gym.py); train_files and val_files are then not read"""
+    """reasoning-gym's curriculum, a YAML file as its training configs write it (curriculum:, reasoning_gym:): the rows
+    are its tasks' entries, at levels that follow each task's accuracy (agents/reasoning_gym.py), not train/val_files"""
     val_reference: Optional[str] = "extra_info.answer"
     """the held-out text of val/perplexity, exp(−mean token log-prob) of the policy over it, each text the response to
     its prompt (its EOS included), at every validation and the one before training (the pre-trained value): a field of
@@ -345,19 +342,6 @@ class ConfigError(ValueError):
 class SaveError(ConfigError):
     """A file of the run could not be written (disk full, permissions); the message names the folder and what was
     kept."""
-
-
-def write_error(e: BaseException) -> str:
-    """Why a write failed, in a few words: the OS's reason (No space left on device, Permission denied …), also
-    from inside safetensors' error ("… I/O error: No space left on device (os error 28)") or torch's checkpoint
-    writer (a CheckpointException holding each process's error)."""
-    failures = getattr(e, "failures", None)  # torch.distributed.checkpoint.api.CheckpointException
-    if failures:
-        e = next(iter(failures.values()))[0]
-    if isinstance(e, OSError) and e.strerror:
-        return e.strerror
-    found = re.search(r"I/O error: ([^(]+)", str(e))
-    return found.group(1).strip() if found else str(e)[:200]
 
 
 # The range of every number, by field name (a name means the same thing in every section). Any number not

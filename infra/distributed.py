@@ -18,11 +18,13 @@ everything else as JSON: nothing in a checkpoint is unpickled, so a planted file
 import json
 import os
 import random
+import re
 import subprocess
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from accelerate.utils import extract_model_from_parallel as unwrap_model
 import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
@@ -188,10 +190,29 @@ def describe(fsdp: Optional[FSDP], accelerator, names: list) -> str:
     return f"parallel: 1 process; {', '.join(names)} whole"
 
 
-def full_state_dict(model) -> dict:
-    """Every weight whole, on the CPU (a collective under FSDP2: every process calls it)."""
+def write_error(e: BaseException) -> str:
+    """Why a write failed, in a few words: the OS's reason (No space left on device, Permission denied …), also
+    from inside safetensors' error ("… I/O error: No space left on device (os error 28)") or torch's checkpoint
+    writer (a CheckpointException holding each process's error)."""
+    failures = getattr(e, "failures", None)  # torch.distributed.checkpoint.api.CheckpointException
+    if failures:
+        e = next(iter(failures.values()))[0]
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    found = re.search(r"I/O error: ([^(]+)", str(e))
+    return found.group(1).strip() if found else str(e)[:200]
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+def full_state_dict(model) -> dict:
+    """Every weight whole, on the CPU (a collective under FSDP2: every process calls it); a weight the model holds
+    under several names (a head tied to the token embedding, as SmolLM2's) one tensor under each again: gathering
+    copies it per name, and save_pretrained saves a tied weight once only where its names share one tensor."""
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    first = {}  # id of a parameter → the first name it has
+    for name, param in unwrap_model(model).named_parameters(remove_duplicate=False):
+        if name in state:
+            state[name] = state[first.setdefault(id(param), name)]
+    return state
 
 
 # ---------------------------------------------------------------------------------------

@@ -22,9 +22,9 @@ import torch
 
 from infra.batches import autocast_dtype
 from infra.checks import check_model_path, needs_reference
-from infra.config import ConfigError, SaveError, write_error
+from infra.config import ConfigError, SaveError
 from infra.layouts import use_varlen_attention
-from infra.distributed import describe, distribute
+from infra.distributed import describe, distribute, write_error
 from infra.trunk import describe_trunk, NoEmbedding, Replay
 
 

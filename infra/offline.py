@@ -188,8 +188,6 @@ def finish(accelerator, model, tokenizer, section, curves: list, sharded: bool) 
             whole = load_policy(section, section.model_path)
             whole.load_state_dict(state_dict)
             state_dict = None  # the copy holds them
-        elif sharded:
-            state_dict = tied_as_in(whole, state_dict)
         final = save_merged(whole, tokenizer, section.output_dir, (section.model_path,), state_dict)
         metrics_path = os.path.join(section.output_dir, "metrics.jsonl")
         if os.path.exists(metrics_path):
@@ -197,16 +195,6 @@ def finish(accelerator, model, tokenizer, section, curves: list, sharded: bool) 
         accelerator.print(f"wrote {final} and curves.png")
     accelerator.wait_for_everyone()
     accelerator.end_training()
-
-
-def tied_as_in(model, state_dict: dict) -> dict:
-    """`state_dict` (full_state_dict's) with a weight that `model` holds under several names (a head tied to the token
-    embedding, as SmolLM2's) one tensor again under each: gathering copies it per name, and save_pretrained saves a
-    tied weight once only where its names share one tensor."""
-    out, first = dict(state_dict), {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        out[name] = out[first.setdefault(id(param), name)]
-    return out
 
 
 def save_merged(hf_model, tokenizer, output_dir: str, inputs: tuple = (), state_dict=None) -> str:

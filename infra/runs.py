@@ -25,8 +25,8 @@ from safetensors import SafetensorError
 from torch.distributed.checkpoint.api import CheckpointException
 
 from infra import cli
-from infra.config import ConfigError, SaveError, write_error
-from infra.distributed import load_training_state, save_training_state
+from infra.config import ConfigError, SaveError
+from infra.distributed import load_training_state, save_training_state, write_error
 from infra.manifests import BASES_FILE, BEST, changed_base, checkpoint_problem, fingerprint, write_manifest
 from infra.metrics import drop_metrics_after
 

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, arithmetic_run_folder, free_port, read_metrics, vllm_build
+from conftest import REPO, arithmetic_run_folder, free_port, make_tiny_model, read_metrics, vllm_build
 
 TOL = 1e-4
 COMPARED = ["score/mean", "kl/mean", "loss/policy", "loss/value", "value/mean", "policy/entropy", "reward/mean",
@@ -151,6 +151,20 @@ def test_fsdp2_cpu_offload_bf16_and_gradient_checkpointing_run(workdir, tmp_path
     from safetensors.torch import load_file
     weights = load_file(str(tmp_path / "out" / "final" / "model.safetensors"))
     assert weights["lm_head.weight"].dtype == torch.float32 and weights["lm_head.weight"].dim() == 2
+
+
+def test_fsdp2_final_of_a_tied_model_has_the_models_own_keys(workdir, tmp_path):
+    """A head tied to the token embedding (SmolLM2's, Qwen2.5-0.5B's), trained whole under FSDP2: final/ holds the
+    keys the model saves itself, the head once as the embedding (the gathered weights came one copy per name, and
+    final/ held a second lm_head.weight)."""
+    from safetensors.torch import load_file
+    root = tmp_path / "tied"
+    shutil.copytree(workdir, root, ignore=shutil.ignore_patterns("model"))
+    make_tiny_model(root / "model", tied=True)
+    fsdp2(root, tmp_path / "out", "model.lora_rank=0", "algorithm.adv_estimator=grpo", "trainer.total_steps=1")
+    final = load_file(str(tmp_path / "out" / "final" / "model.safetensors"))
+    assert final.keys() == load_file(str(root / "model" / "model.safetensors")).keys()
+    assert "lm_head.weight" not in final
 
 
 def test_gradient_checkpointing_changes_no_metric(workdir, tmp_path):
