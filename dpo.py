@@ -57,7 +57,7 @@ from infra.offline import (batch_indices, begin, check_batch, check_folders, che
                            finish, held_out_slices, load_policy_to_train, open_log, Skips)
 from infra.optim import make_optimizer, train_step
 from infra.runs import StopSignal
-from ppo import ref_logprobs
+from kl import ref_logprobs
 from rewards import rule_needing_truth
 from validation import greedy_validation
 

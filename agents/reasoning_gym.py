@@ -223,6 +223,10 @@ class Curriculum:
             raise DataError(f"data.curriculum={path}: data.truncation=filter would drop rows as the levels rise; set "
                             f"data.truncation=error (a level whose prompts are too long is not entered) or left")
         self.spec, self.path, self.tokenizer, self.cfg_data = read_spec(path), path, tokenizer, cfg_data
+        if self.spec["dataset_size"] < cfg_data.train_batch_size:
+            raise DataError(f"data.curriculum={path}: data.curriculum's dataset_size is {self.spec['dataset_size']}, "
+                            f"fewer than data.train_batch_size={cfg_data.train_batch_size}; raise "
+                            f"reasoning_gym.dataset_size")
         self.system, self.print0 = SYSTEM_PROMPTS[self.spec["developer_prompt"]], print0
         config = CurriculumExperimentConfig(curricula={task: CurriculumAttributeConfig(**entry)
                                                        for task, entry in self.spec["curricula"].items()})
@@ -243,7 +247,7 @@ class Curriculum:
                f"(data.train_files and data.val_files are not read)")
 
     def make_rows(self, composite, indices, task=None) -> list:
-        """Rows for the composite's entries at `indices` (of `task` only, where given), tokenized as data.py does."""
+        """Rows for the composite's entries at `indices`, tokenized as data.py does (`task`: named in its messages)."""
         raw = []
         for i in indices:
             entry = composite[i]
@@ -257,6 +261,23 @@ class Curriculum:
     def levels(self) -> dict:
         return {task: self.experiment.curricula[task].get_max_level() for task in self.tasks}
 
+    def attribute_levels(self, task: str) -> dict:
+        curriculum = self.experiment.curricula[task]
+        return {name: curriculum.get_attr_level(name) for name in curriculum.attributes}
+
+    def set_levels(self, task: str, levels: dict) -> None:
+        """The task's attributes at `levels`, its dataset made again at them (as update_difficulty remakes it)."""
+        curriculum = self.experiment.curricula[task]
+        for name, level in levels.items():
+            curriculum.set_attr_level(name, level)
+        self.experiment.composite.update_dataset_config(task, curriculum.get_global_level())
+
+    def remake_rows(self, task: str) -> None:
+        """The task's rows made again at its current level, in place (the same indices: the data order holds)."""
+        indices = [i for i, row in enumerate(self.rows) if row["data_source"] == f"reasoning_gym/{task}"]
+        for i, row in zip(indices, self.make_rows(self.experiment.composite, indices, task)):
+            self.rows[i] = row
+
     def record(self, rows: list, texts: list, accelerator) -> None:
         """Each sample's correctness into its task's window, the samples of every process in process order."""
         mine = [(row["data_source"].removeprefix("reasoning_gym/"), reasoning_gym_score(text, row["ground_truth"])[
@@ -268,54 +289,43 @@ class Curriculum:
         """After a step: each task's level moved as the windows (or the automatic schedule) say; returns the metrics
         curriculum/<task>/level and curriculum/<task>/accuracy (its window's mean, before any move)."""
         s, metrics = self.spec, {}
-        for task in self.tasks:
+        for task, level in self.levels().items():
             window = self.windows[task]
-            metrics[f"curriculum/{task}/level"] = self.levels()[task]
+            mean = sum(window) / len(window) if window else None
+            metrics[f"curriculum/{task}/level"] = level
             if window:
-                metrics[f"curriculum/{task}/accuracy"] = sum(window) / len(window)
+                metrics[f"curriculum/{task}/accuracy"] = mean
             if s["schedule"]["automatic"] and window and step % s["schedule"]["update_steps"] == 0:
                 self.move(task, "increment", f"schedule.automatic at step {step}")
             elif not s["schedule"]["automatic"] and len(window) >= s["last_k"]:
-                mean, said = sum(window) / len(window), f"accuracy {sum(window) / len(window):.2f} over {len(window)}"
                 if mean > s["success_threshold"] or mean < s["failure_threshold"]:
-                    self.move(task, "increment" if mean > s["success_threshold"] else "decrement", said)
+                    self.move(task, "increment" if mean > s["success_threshold"] else "decrement",
+                              f"accuracy {mean:.2f} over {len(window)}")
         return metrics
 
     def move(self, task: str, method: str, why: str) -> None:
         """The task one level up or down (reasoning-gym's update_difficulty, its window emptied) and its rows made
         again; a level whose prompts are too long is left again, with a console line."""
-        curriculum, before = self.experiment.curricula[task], self.levels()[task]
-        saved = {name: curriculum.get_attr_level(name) for name in curriculum.attributes}
+        before, saved = self.levels()[task], self.attribute_levels(task)
         self.windows[task] = []
         self.experiment.update_difficulty(task, method)
         if self.levels()[task] == before:
             return
-        indices = [i for i, row in enumerate(self.rows) if row["data_source"] == f"reasoning_gym/{task}"]
         try:
-            for i, row in zip(indices, self.make_rows(self.experiment.composite, indices, task)):
-                self.rows[i] = row
+            self.remake_rows(task)
         except DataError as e:
-            for name, level in saved.items():
-                curriculum.set_attr_level(name, level)
-            self.experiment.composite.update_dataset_config(task, curriculum.get_global_level())
+            self.set_levels(task, saved)
             self.print0(f"curriculum: {task} stays at level {before}: {e}")
             return
         self.print0(f"curriculum: {task} level {before} → {self.levels()[task]} ({why})")
 
     def state_dict(self) -> dict:
-        return {"levels": {task: {name: c.get_attr_level(name) for name in c.attributes}
-                           for task, c in self.experiment.curricula.items()}, "windows": self.windows}
+        return {"levels": {task: self.attribute_levels(task) for task in self.tasks}, "windows": self.windows}
 
     def load_state_dict(self, saved: dict) -> None:
         """The levels and windows of a checkpoint, the rows of each task whose level differs made again."""
         self.windows = {task: list(saved["windows"].get(task, [])) for task in self.tasks}
         for task, levels in saved["levels"].items():
-            curriculum = self.experiment.curricula[task]
-            if all(curriculum.get_attr_level(name) == level for name, level in levels.items()):
-                continue
-            for name, level in levels.items():
-                curriculum.set_attr_level(name, level)
-            self.experiment.composite.update_dataset_config(task, curriculum.get_global_level())
-            indices = [i for i, row in enumerate(self.rows) if row["data_source"] == f"reasoning_gym/{task}"]
-            for i, row in zip(indices, self.make_rows(self.experiment.composite, indices, task)):
-                self.rows[i] = row
+            if levels != self.attribute_levels(task):
+                self.set_levels(task, levels)
+                self.remake_rows(task)

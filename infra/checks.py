@@ -33,9 +33,8 @@ def check_sizes(cfg, world: int, num_rows: int) -> Sizes:
     """ppo.py's derived batch sizes; one that does not divide fails here with a sentence, before any model loads."""
     d, a, n = cfg.data, cfg.actor, cfg.rollout.n
     if num_rows < d.train_batch_size:
-        source = f"data.curriculum's dataset_size is {num_rows}" if d.curriculum else \
-            f"data.train_files has {num_rows} usable prompts"
-        raise ConfigError(f"{source}, fewer than data.train_batch_size={d.train_batch_size}")
+        raise ConfigError(f"data.train_files has {num_rows} usable prompts, fewer than "
+                          f"data.train_batch_size={d.train_batch_size}")
     prompts = exact_div(d.train_batch_size, world, "data.train_batch_size across processes")
     num_mini = exact_div(d.train_batch_size, a.ppo_mini_batch_size,
                          "data.train_batch_size by actor.ppo_mini_batch_size (prompts per mini-batch)")

@@ -44,7 +44,7 @@ curriculum:
 data:
   max_prompt_length: 512
 """
-DATA = types.SimpleNamespace(max_prompt_length=4000, truncation="error", val_max_samples=6)
+DATA = types.SimpleNamespace(max_prompt_length=4000, truncation="error", val_max_samples=6, train_batch_size=4)
 
 
 def write_spec(path, size=60, automatic=False, last_k=4) -> str:

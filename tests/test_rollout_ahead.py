@@ -19,7 +19,7 @@ from conftest import REPO, arithmetic_run_folder, make_tokenizer, read_metrics
 from infra.cli import load_config
 from infra.config import ConfigError
 from infra.train_state import step_seed
-from ppo import draw_prompts
+from data import draw_prompts
 from rewards import score_samples, Scores
 from rollout import check_rollout, check_staleness, right_pad, Rollout, RunAhead
 
